@@ -1,0 +1,49 @@
+"""The FastAPI application: `api.app:app` for uvicorn, `create_app` for tests."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api.errors import install_error_handlers
+from api.limits import BodySizeLimit
+from api.routes import health, jobs
+from api.services import Services
+from core.settings import Settings, get_settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """An API instance on `settings` (default: from the environment)."""
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services = Services.build(settings)
+        app.state.services = services
+        try:
+            yield
+        finally:
+            await services.close()
+
+    app = FastAPI(
+        title="inferq",
+        version="0.1.0",
+        summary="An asynchronous job queue for LLM inference.",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    logging.getLogger("inferq").setLevel(settings.log_level)
+    return app
+
+
+def __getattr__(name: str) -> FastAPI:
+    # `uvicorn api.app:app` builds the app on first access, not at import.
+    if name == "app":
+        return create_app()
+    raise AttributeError(name)

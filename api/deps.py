@@ -1,0 +1,45 @@
+"""FastAPI dependencies: the services, and the principal behind the request's key."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from starlette.concurrency import run_in_threadpool
+
+from api.services import Services
+from core.apikeys import Principal
+from core.errors import AuthenticationFailed
+
+
+def get_services(request: Request) -> Services:
+    """The services built at start-up."""
+    services: Services = request.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def _presented_key(request: Request) -> str | None:
+    authorization = request.headers.get("authorization")
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+        return None
+    return request.headers.get("x-api-key") or None
+
+
+async def get_principal(request: Request, services: ServicesDep) -> Principal:
+    """Who is calling: a live key's owner and tier; 401 (one body for all failures) otherwise."""
+    key = _presented_key(request)
+    if key is None:
+        raise AuthenticationFailed()
+    principal = await run_in_threadpool(services.keys.authenticate, key)
+    if principal is None:
+        raise AuthenticationFailed()
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]

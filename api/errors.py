@@ -1,0 +1,99 @@
+"""The one place where errors become HTTP responses: `{"error": {type, code, message}}`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from core.errors import ClientError, ServiceUnavailable
+
+log = logging.getLogger(__name__)
+
+_HTTP_CODES = {
+    404: ("not_found_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+}
+
+
+def error_body(
+    error_type: str, code: str, message: str, param: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """The JSON body of every error response."""
+    error: dict[str, Any] = {"type": error_type, "code": code, "message": message}
+    if param is not None:
+        error["param"] = param
+    error.update(extra)
+    return {"error": error}
+
+
+def error_response(
+    status: int,
+    error_type: str,
+    code: str,
+    message: str,
+    param: str | None = None,
+    **extra: Any,
+) -> JSONResponse:
+    """A JSON error response."""
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    body = error_body(error_type, code, message, param, **extra)
+    return JSONResponse(body, status, headers=headers)
+
+
+def _describe(error: dict[str, Any]) -> tuple[str, str]:
+    loc = [str(part) for part in error.get("loc", ()) if part not in ("body", "query", "path")]
+    param = ".".join(loc) or "body"
+    if error.get("type") == "extra_forbidden":
+        return param, f"Unknown field '{param}'."
+    if error.get("type") == "json_invalid":
+        return "body", "The body is not valid JSON."
+    if param == "body" and error.get("type") in ("model_attributes_type", "dict_type"):
+        return "body", "The body must be a JSON object (Content-Type: application/json)."
+    return param, f"{param}: {error.get('msg', 'invalid value')}."
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error type to its response, once."""
+
+    @app.exception_handler(ClientError)
+    async def _client_error(_request: Request, exc: ClientError) -> JSONResponse:
+        return error_response(
+            exc.status_code, exc.error_type, exc.code, exc.message, exc.param, **exc.extra
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        param, message = _describe(errors[0]) if errors else ("body", "Invalid request.")
+        return error_response(400, "invalid_request_error", "invalid_request", message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type, code = _HTTP_CODES.get(exc.status_code, ("invalid_request_error", "http_error"))
+        return error_response(exc.status_code, error_type, code, str(exc.detail))
+
+    async def _unavailable(_request: Request, exc: Exception) -> JSONResponse:
+        log.warning("backing service unavailable: %s", exc)
+        return error_response(
+            503,
+            ServiceUnavailable.error_type,
+            ServiceUnavailable.code,
+            "A backing service is unavailable; retry shortly.",
+        )
+
+    app.add_exception_handler(ServiceUnavailable, _unavailable)
+    app.add_exception_handler(redis.ConnectionError, _unavailable)
+    app.add_exception_handler(redis.TimeoutError, _unavailable)
+    app.add_exception_handler(OperationalError, _unavailable)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(500, "server_error", "internal_error", "Internal server error.")

@@ -1,0 +1,92 @@
+"""`/v1/jobs`: submit, poll (or long-poll), list and cancel generation jobs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.deps import PrincipalDep, ServicesDep
+from api.schemas import JobCreate, JobList, JobOut, decode_cursor, encode_cursor
+from api.submission import cancel_job, submit_job
+from core.errors import InvalidRequest, NotFound
+from core.events import wait_for_final_event
+from core.states import JobStatus
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+MAX_WAIT_S = 60.0
+CANCEL_WAIT_S = 5.0
+
+
+@router.post("", status_code=202, response_model=JobOut)
+async def create_job(
+    body: JobCreate,
+    principal: PrincipalDep,
+    services: ServicesDep,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> JSONResponse:
+    """Queue a job on the caller's tier; a repeated Idempotency-Key returns the same job."""
+    job, created = await submit_job(services, principal, body, idempotency_key)
+    return JSONResponse(
+        JobOut.from_job(job).model_dump(mode="json"),
+        status_code=202 if created else 200,
+        headers={"Location": f"/v1/jobs/{job.id}", "Idempotent-Replayed": str(not created).lower()},
+    )
+
+
+@router.get("/{job_id}", response_model=JobOut)
+async def get_job(
+    job_id: str,
+    principal: PrincipalDep,
+    services: ServicesDep,
+    wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0,
+) -> JobOut:
+    """The job; with `wait=N`, hold the request up to N seconds for it to reach a final state."""
+    job = await run_in_threadpool(services.jobs.get, job_id, principal.owner)
+    if job is None:
+        raise NotFound(f"No job with id '{job_id}'.", param="job_id")
+    if wait > 0 and not JobStatus(job.status).is_final:
+        await wait_for_final_event(services.redis, job_id, wait)
+        job = await run_in_threadpool(services.jobs.get, job_id, principal.owner)
+        assert job is not None
+    return JobOut.from_job(job)
+
+
+@router.get("", response_model=JobList)
+async def list_jobs(
+    principal: PrincipalDep,
+    services: ServicesDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    status: JobStatus | None = None,
+    cursor: str | None = None,
+) -> JobList:
+    """The caller's jobs, newest first; follow `next_cursor` for the next page."""
+    before = decode_cursor(cursor) if cursor else None
+    jobs = await run_in_threadpool(
+        lambda: services.jobs.list_for_owner(
+            principal.owner, limit=limit + 1, status=status, before=before
+        )
+    )
+    page = jobs[:limit]
+    next_cursor = encode_cursor(page[-1]) if len(jobs) > limit else None
+    return JobList(data=[JobOut.from_job(job) for job in page], next_cursor=next_cursor)
+
+
+@router.delete("/{job_id}", response_model=JobOut)
+async def delete_job(job_id: str, principal: PrincipalDep, services: ServicesDep) -> JSONResponse:
+    """Cancel the job: 200 with the job once it has ended, 202 if its worker is still stopping it.
+
+    A job that has already ended gets 409 with its status.
+    """
+    job = await cancel_job(services, principal.owner, job_id)
+    if not JobStatus(job.status).is_final:
+        await wait_for_final_event(services.redis, job_id, CANCEL_WAIT_S)
+        refreshed = await run_in_threadpool(services.jobs.get, job_id, principal.owner)
+        if refreshed is None:
+            raise InvalidRequest("The job vanished while being cancelled.")
+        job = refreshed
+    status_code = 200 if JobStatus(job.status).is_final else 202
+    return JSONResponse(JobOut.from_job(job).model_dump(mode="json"), status_code=status_code)

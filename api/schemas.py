@@ -1,0 +1,142 @@
+"""Request and response bodies of the job endpoints."""
+
+from __future__ import annotations
+
+import base64
+import json
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from core.errors import InvalidRequest
+from core.models import Job, as_utc
+
+
+class JobCreate(BaseModel):
+    """A generation job as a client submits it; unknown fields and wrong types are rejected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str = Field(min_length=1, description="The text to continue.")
+    max_tokens: int | None = Field(
+        default=None, gt=0, description="Tokens to generate; default and cap come from the tier."
+    )
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(default=None, description="Stop sequence(s).")
+    seed: int | None = Field(default=None, description="Fixed seed for reproducible sampling.")
+    ignore_eos: bool = Field(
+        default=False, description="Keep generating past end-of-sequence (benchmarks)."
+    )
+    timeout_s: float | None = Field(
+        default=None, gt=0, description="Total time limit; at most the tier's."
+    )
+
+    def sampling_params(self, max_tokens: int) -> dict[str, Any]:
+        """The parameters handed to the engine, without unset ones."""
+        params: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "stop": self.stop,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos or None,
+        }
+        return {k: v for k, v in params.items() if v is not None}
+
+
+class Usage(BaseModel):
+    """Token counts of a job."""
+
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_prompt_tokens: int | None
+
+
+class Timings(BaseModel):
+    """Seconds spent queued, until the first token, and in all (from submission)."""
+
+    queue_s: float | None
+    ttft_s: float | None
+    total_s: float | None
+
+
+class JobErrorOut(BaseModel):
+    """Why a job did not succeed."""
+
+    code: str
+    message: str
+
+
+class JobOut(BaseModel):
+    """A job as clients see it."""
+
+    id: str
+    object: Literal["job"] = "job"
+    status: str
+    tier: str
+    created_at: datetime
+    text: str | None
+    finish_reason: str | None
+    usage: Usage
+    timings: Timings
+    sampling_params: dict[str, Any]
+    attempt: int
+    error: JobErrorOut | None
+
+    @classmethod
+    def from_job(cls, job: Job) -> JobOut:
+        """The response body for a stored job."""
+        created = as_utc(job.created_at)
+
+        def since_created(moment: datetime | None) -> float | None:
+            return None if moment is None else round((as_utc(moment) - created).total_seconds(), 6)
+
+        return cls(
+            id=job.id,
+            status=job.status,
+            tier=job.tier,
+            created_at=created,
+            text=job.output_text,
+            finish_reason=job.finish_reason,
+            usage=Usage(
+                prompt_tokens=job.prompt_tokens,
+                completion_tokens=job.completion_tokens,
+                cached_prompt_tokens=job.cached_prompt_tokens,
+            ),
+            timings=Timings(
+                queue_s=since_created(job.started_at),
+                ttft_s=since_created(job.first_token_at),
+                total_s=since_created(job.finished_at),
+            ),
+            sampling_params=job.sampling_params,
+            attempt=job.attempt,
+            error=JobErrorOut(code=job.error_code, message=job.error_message or "")
+            if job.error_code
+            else None,
+        )
+
+
+class JobList(BaseModel):
+    """One page of a caller's jobs, newest first."""
+
+    object: Literal["list"] = "list"
+    data: list[JobOut]
+    next_cursor: str | None
+
+
+def encode_cursor(job: Job) -> str:
+    """An opaque cursor pointing just past `job` in newest-first order."""
+    raw = json.dumps([as_utc(job.created_at).isoformat(), job.id])
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """The (created_at, id) a cursor points past; InvalidRequest if it was not made here."""
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        created_at, job_id = json.loads(base64.urlsafe_b64decode(padded))
+        return datetime.fromisoformat(created_at), str(job_id)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest("The cursor is not valid.", param="cursor") from exc

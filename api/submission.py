@@ -1,0 +1,104 @@
+"""Turning a validated request into a stored, enqueued job — and cancelling one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+
+from starlette.concurrency import run_in_threadpool
+
+from api.schemas import JobCreate
+from api.services import Services
+from core import keys
+from core.apikeys import Principal
+from core.errors import ContextLengthExceeded, JobAlreadyFinal, NotFound, TierLimitExceeded
+from core.jobs import NewJob
+from core.models import Job
+from core.states import JobStatus
+from scheduler.queues import enqueue_job
+
+log = logging.getLogger(__name__)
+
+
+def check_against_tier(services: Services, principal: Principal, body: JobCreate) -> int:
+    """The job's max_tokens after checking the request against its key's tier."""
+    policy = services.settings.tier_policy(principal.tier)
+    if body.max_tokens is not None and body.max_tokens > policy.max_tokens:
+        raise TierLimitExceeded(
+            f"max_tokens {body.max_tokens} is over the {principal.tier.value} tier's limit "
+            f"of {policy.max_tokens}.",
+            param="max_tokens",
+        )
+    if body.timeout_s is not None and body.timeout_s > policy.timeout_s:
+        raise TierLimitExceeded(
+            f"timeout_s {body.timeout_s:g} is over the {principal.tier.value} tier's limit "
+            f"of {policy.timeout_s:g} s.",
+            param="timeout_s",
+        )
+    return body.max_tokens or min(services.settings.default_max_tokens, policy.max_tokens)
+
+
+def check_context(services: Services, prompt_tokens: int, max_tokens: int) -> None:
+    """Reject a job whose prompt and completion cannot fit the model's context."""
+    limit = services.model.max_model_len
+    if prompt_tokens + max_tokens > limit:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {limit} tokens; the prompt has "
+            f"{prompt_tokens} tokens and max_tokens asks for {max_tokens} more.",
+            param="prompt",
+        )
+
+
+async def submit_job(
+    services: Services, principal: Principal, body: JobCreate, idempotency_key: str | None
+) -> tuple[Job, bool]:
+    """Validate, store, then enqueue; returns the job and whether it is new.
+
+    The row is committed before the id is enqueued, so a worker never sees an id it cannot load.
+    """
+    max_tokens = check_against_tier(services, principal, body)
+    prompt_tokens = await run_in_threadpool(services.model.count_tokens, body.prompt)
+    check_context(services, prompt_tokens, max_tokens)
+    policy = services.settings.tier_policy(principal.tier)
+    request_hash = None
+    if idempotency_key is not None:
+        canonical = json.dumps(body.model_dump(), sort_keys=True)
+        request_hash = hashlib.sha256(canonical.encode()).hexdigest()
+    new = NewJob(
+        owner=principal.owner,
+        tier=principal.tier.value,
+        prompt=body.prompt,
+        sampling_params=body.sampling_params(max_tokens),
+        timeout_s=body.timeout_s or policy.timeout_s,
+        prompt_tokens=prompt_tokens,
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
+    )
+    job, created = await run_in_threadpool(services.jobs.create, new)
+    if created:
+        await run_in_threadpool(enqueue_job, services.celery, job.id, job.tier)
+    return job, created
+
+
+async def cancel_job(services: Services, owner: str, job_id: str) -> Job:
+    """Cancel a queued job at once, or ask its worker to abort a running one.
+
+    The cancel flag lives in Redis (and the state in the database), not in any worker's memory,
+    so a queued job that is cancelled never starts, whatever restarts in between.
+    """
+    job = await run_in_threadpool(services.jobs.get, job_id, owner)
+    if job is None:
+        raise NotFound(f"No job with id '{job_id}'.", param="job_id")
+    if JobStatus(job.status).is_final:
+        raise JobAlreadyFinal(
+            f"Job '{job_id}' has already ended with status '{job.status}'.", job_status=job.status
+        )
+    await services.redis.set(keys.job_cancel_flag(job_id), b"1", ex=services.settings.job_key_ttl_s)
+    if await run_in_threadpool(services.jobs.cancel_if_queued, job_id):
+        await services.events.publish(job_id, "cancelled", status=JobStatus.CANCELLED.value)
+    else:
+        await services.redis.publish(keys.CANCEL_CHANNEL, job_id)
+    refreshed = await run_in_threadpool(services.jobs.get, job_id, owner)
+    assert refreshed is not None
+    return refreshed

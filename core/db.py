@@ -1,0 +1,78 @@
+"""Database engine and sessions, with SQLite tuned for a writer in each of several processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from core.models import SCHEMA_REVISION
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url`; SQLite gets WAL and a busy timeout so API and workers can both write."""
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+        return engine
+    return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+
+
+@lru_cache
+def engine_for(url: str) -> Engine:
+    """One engine per URL per process."""
+    return make_engine(url)
+
+
+class Database:
+    """Sessions on one database; passed to whoever needs storage."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = engine_for(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session that commits on success and rolls back on error."""
+        with self._sessions() as session:
+            try:
+                yield session
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
+
+    def ping(self) -> None:
+        """Raise if the database cannot be reached."""
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+    def schema_revision(self) -> str | None:
+        """The Alembic revision the database is at, or None before the first migration."""
+        with self.engine.connect() as conn:
+            try:
+                row = conn.execute(text("SELECT version_num FROM alembic_version")).first()
+            except Exception:  # the table does not exist yet
+                return None
+        return row[0] if row else None
+
+    def is_current(self) -> bool:
+        """Whether the database schema matches this code's migrations."""
+        return self.schema_revision() == SCHEMA_REVISION

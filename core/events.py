@@ -1,0 +1,109 @@
+"""A job's events: numbered, kept in a per-job stream and published live, in one atomic step.
+
+Each event is a JSON object with `seq` (1, 2, ...), `job_id` and `type`: `status` (a state
+change), `delta` (new text), or one final type — `done`, `error`, `cancelled`, `timed_out`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from core import keys
+
+# Numbering, storing and publishing happen in one script so that two publishers (the API
+# cancelling a queued job, a worker finishing it) can never give out the same number.
+_PUBLISH_SCRIPT = """
+local seq = redis.call('XLEN', KEYS[1]) + 1
+local payload = '{"seq":' .. seq .. ',' .. string.sub(ARGV[1], 2)
+redis.call('XADD', KEYS[1], '*', 'e', payload)
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('PUBLISH', KEYS[2], payload)
+return seq
+"""
+
+FINAL_EVENT_TYPES = frozenset({"done", "error", "cancelled", "timed_out"})
+
+
+def encode_event(job_id: str, event_type: str, **fields: Any) -> str:
+    """The event body, without its sequence number (the script adds it)."""
+    return json.dumps({"job_id": job_id, "type": event_type, **fields}, separators=(",", ":"))
+
+
+def is_final(event: dict[str, Any]) -> bool:
+    """Whether this event ends its job's stream."""
+    return event.get("type") in FINAL_EVENT_TYPES
+
+
+class EventPublisher:
+    """Publishes job events from a synchronous process (a worker, the CLI)."""
+
+    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
+        self.client = client
+        self.ttl_s = ttl_s
+        self._script = client.register_script(_PUBLISH_SCRIPT)
+
+    def publish(self, job_id: str, event_type: str, **fields: Any) -> None:
+        """Append one event to the job's stream and publish it."""
+        self._script(
+            keys=[keys.job_event_stream(job_id), keys.job_events_channel(job_id)],
+            args=[encode_event(job_id, event_type, **fields), self.ttl_s],
+        )
+
+    def publish_many(self, events: list[tuple[str, str, dict[str, Any]]]) -> None:
+        """Publish several events (job_id, type, fields) in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for job_id, event_type, fields in events:
+            self._script(
+                keys=[keys.job_event_stream(job_id), keys.job_events_channel(job_id)],
+                args=[encode_event(job_id, event_type, **fields), self.ttl_s],
+                client=pipe,
+            )
+        pipe.execute()
+
+
+class AsyncEventPublisher:
+    """Publishes job events from the API's event loop."""
+
+    def __init__(self, client: aioredis.Redis, ttl_s: int) -> None:
+        self.client = client
+        self.ttl_s = ttl_s
+        self._script = client.register_script(_PUBLISH_SCRIPT)
+
+    async def publish(self, job_id: str, event_type: str, **fields: Any) -> None:
+        """Append one event to the job's stream and publish it."""
+        await self._script(
+            keys=[keys.job_event_stream(job_id), keys.job_events_channel(job_id)],
+            args=[encode_event(job_id, event_type, **fields), self.ttl_s],
+        )
+
+
+async def wait_for_final_event(client: aioredis.Redis, job_id: str, timeout_s: float) -> bool:
+    """Block until the job's stream holds a final event, or the timeout passes."""
+    stream = keys.job_event_stream(job_id)
+    last_id = "0-0"
+    remaining_ms = max(1, int(timeout_s * 1000))
+    deadline = time.monotonic() + timeout_s
+    while remaining_ms > 0:
+        reply = await client.xread({stream: last_id}, block=remaining_ms, count=100)
+        for event_id, event in _entries(reply):
+            last_id = event_id
+            if is_final(event):
+                return True
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+    return False
+
+
+def _entries(reply: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(entry id, event) pairs from an XREAD reply on one stream."""
+    pairs: list[tuple[str, dict[str, Any]]] = []
+    for _stream, entries in reply or []:
+        for entry_id, fields in entries:
+            raw = fields.get(b"e", fields.get("e"))
+            entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            pairs.append((entry, json.loads(raw)))
+    return pairs

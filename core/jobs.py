@@ -1,0 +1,215 @@
+"""The job record's life in the database: create, read, list and every state change."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.exc import IntegrityError
+
+from core.db import Database
+from core.errors import IdempotencyKeyReused
+from core.models import Job, utcnow
+from core.states import FINAL_STATES, JobStatus
+
+
+def new_job_id() -> str:
+    """A fresh, unguessable job id."""
+    return f"job_{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """What the API has validated and wants stored."""
+
+    owner: str
+    tier: str
+    prompt: str
+    sampling_params: dict[str, Any]
+    timeout_s: float
+    prompt_tokens: int
+    idempotency_key: str | None = None
+    request_hash: str | None = None
+    id: str = field(default_factory=new_job_id)
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a run ended, as the worker reports it."""
+
+    status: JobStatus
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int
+    cached_prompt_tokens: int | None
+    first_token_at: datetime | None
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+_FINAL = [s.value for s in FINAL_STATES]
+
+
+class JobStore:
+    """Reads and writes job rows; state changes are conditional UPDATEs, so races lose cleanly."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def create(self, new: NewJob) -> tuple[Job, bool]:
+        """Store a queued job; with a repeated idempotency key, return the earlier job instead.
+
+        Returns the job and whether it was created now.
+        """
+        if new.idempotency_key is not None:
+            existing = self._by_idempotency_key(new.owner, new.idempotency_key)
+            if existing is not None:
+                return self._check_same_request(existing, new), False
+        job = Job(
+            id=new.id,
+            owner=new.owner,
+            tier=new.tier,
+            status=JobStatus.QUEUED.value,
+            prompt=new.prompt,
+            sampling_params=new.sampling_params,
+            idempotency_key=new.idempotency_key,
+            request_hash=new.request_hash,
+            timeout_s=new.timeout_s,
+            prompt_tokens=new.prompt_tokens,
+            created_at=utcnow(),
+            attempt=0,
+        )
+        try:
+            with self.db.session() as session:
+                session.add(job)
+        except IntegrityError:
+            # Two requests with one idempotency key raced; the other one's row stands.
+            existing = self._by_idempotency_key(new.owner, new.idempotency_key or "")
+            if existing is None:
+                raise
+            return self._check_same_request(existing, new), False
+        return job, True
+
+    @staticmethod
+    def _check_same_request(existing: Job, new: NewJob) -> Job:
+        if existing.request_hash != new.request_hash:
+            raise IdempotencyKeyReused(
+                "This Idempotency-Key was already used with a different request body."
+            )
+        return existing
+
+    def _by_idempotency_key(self, owner: str, key: str) -> Job | None:
+        with self.db.session() as session:
+            return session.scalars(
+                select(Job).where(Job.owner == owner, Job.idempotency_key == key)
+            ).first()
+
+    def get(self, job_id: str, owner: str | None = None) -> Job | None:
+        """The job, or None if it does not exist or belongs to someone else."""
+        with self.db.session() as session:
+            job = session.get(Job, job_id)
+        if job is None or (owner is not None and job.owner != owner):
+            return None
+        return job
+
+    def list_for_owner(
+        self,
+        owner: str,
+        *,
+        limit: int,
+        status: JobStatus | None = None,
+        before: tuple[datetime, str] | None = None,
+    ) -> list[Job]:
+        """The owner's jobs, newest first, strictly after the cursor `before` (created_at, id)."""
+        query = select(Job).where(Job.owner == owner)
+        if status is not None:
+            query = query.where(Job.status == status.value)
+        if before is not None:
+            created_at, job_id = before
+            query = query.where(
+                or_(
+                    Job.created_at < created_at, and_(Job.created_at == created_at, Job.id < job_id)
+                )
+            )
+        query = query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)
+        with self.db.session() as session:
+            return list(session.scalars(query))
+
+    def cancel_if_queued(self, job_id: str) -> bool:
+        """Cancel a job that has not started; False if it already left the queue."""
+        return self._transition(
+            job_id,
+            {JobStatus.QUEUED},
+            status=JobStatus.CANCELLED.value,
+            finished_at=utcnow(),
+            finish_reason="cancelled",
+        )
+
+    def expire_if_queued(self, job_id: str) -> bool:
+        """End a job that waited past its deadline without touching the engine."""
+        return self._transition(
+            job_id,
+            {JobStatus.QUEUED},
+            status=JobStatus.TIMED_OUT.value,
+            finished_at=utcnow(),
+            error_code="queue_timeout",
+            error_message="The job waited in the queue past its deadline.",
+        )
+
+    def start_attempt(self, job_id: str, worker: str) -> Job | None:
+        """Mark the job running under a new attempt; None if it is already final (or missing)."""
+        with self.db.session() as session:
+            result = session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
+                .values(
+                    status=JobStatus.RUNNING.value,
+                    attempt=Job.attempt + 1,
+                    started_at=utcnow(),
+                    worker=worker,
+                )
+                .execution_options(synchronize_session=False)
+            )
+            if result.rowcount == 0:  # type: ignore[attr-defined]
+                return None
+            return session.get(Job, job_id, populate_existing=True)
+
+    def finish_attempt(self, job_id: str, attempt: int, outcome: JobOutcome) -> bool:
+        """Record how `attempt` ended; a stale attempt or an already final job changes nothing."""
+        with self.db.session() as session:
+            result = session.execute(
+                update(Job)
+                .where(
+                    Job.id == job_id,
+                    Job.attempt == attempt,
+                    Job.status == JobStatus.RUNNING.value,
+                )
+                .values(
+                    status=outcome.status.value,
+                    output_text=outcome.text,
+                    finish_reason=outcome.finish_reason,
+                    prompt_tokens=outcome.prompt_tokens,
+                    completion_tokens=outcome.completion_tokens,
+                    cached_prompt_tokens=outcome.cached_prompt_tokens,
+                    first_token_at=outcome.first_token_at,
+                    finished_at=utcnow(),
+                    error_code=outcome.error_code,
+                    error_message=outcome.error_message,
+                )
+                .execution_options(synchronize_session=False)
+            )
+            return bool(result.rowcount)  # type: ignore[attr-defined]
+
+    def _transition(self, job_id: str, sources: set[JobStatus], **values: Any) -> bool:
+        with self.db.session() as session:
+            result = session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status.in_([s.value for s in sources]))
+                .values(**values)
+                .execution_options(synchronize_session=False)
+            )
+            return bool(result.rowcount)  # type: ignore[attr-defined]

@@ -1,0 +1,46 @@
+"""Every Redis key, channel and queue name inferq uses, built in one place."""
+
+from __future__ import annotations
+
+from core.tiers import Tier
+
+PREFIX = "inferq"
+
+
+# Celery's Redis transport stores a queue as a list under the queue's name.
+def queue_name(tier: Tier | str) -> str:
+    """The Celery queue of one tier, e.g. `inferq.premium`."""
+    return f"{PREFIX}.{Tier(tier).value}"
+
+
+def job_events_channel(job_id: str) -> str:
+    """Pub/sub channel carrying a job's live events."""
+    return f"{PREFIX}:job:{job_id}:events"
+
+
+def job_event_stream(job_id: str) -> str:
+    """Redis stream keeping a job's events for late or reconnecting readers."""
+    return f"{PREFIX}:job:{job_id}:stream"
+
+
+def job_cancel_flag(job_id: str) -> str:
+    """Set when a cancel was asked for, so a worker that is about to start the job sees it."""
+    return f"{PREFIX}:job:{job_id}:cancel"
+
+
+def job_lease(job_id: str) -> str:
+    """The claim of the worker running a job; renewed while it runs, lapses if it dies."""
+    return f"{PREFIX}:job:{job_id}:lease"
+
+
+CANCEL_CHANNEL = f"{PREFIX}:cancel"
+"""Workers listen here for ids of running jobs to abort."""
+
+
+def worker_stats(worker_name: str) -> str:
+    """Hash of a worker's counters (in flight, peak, engine requests)."""
+    return f"{PREFIX}:worker:{worker_name}:stats"
+
+
+WORKERS_SET = f"{PREFIX}:workers"
+"""Names of workers that have started."""

@@ -1,0 +1,81 @@
+"""SQLAlchemy models: the durable record of jobs and API keys."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from core.states import JobStatus
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+def as_utc(moment: datetime) -> datetime:
+    """`moment` as aware UTC; SQLite hands stored datetimes back naive."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base whose metadata Alembic migrates."""
+
+
+class Job(Base):
+    """One generation request and everything that happened to it."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+        Index("ix_jobs_owner_created", "owner", "created_at", "id"),
+        Index("ix_jobs_status", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(200))
+    tier: Mapped[str] = mapped_column(String(20))
+    status: Mapped[str] = mapped_column(String(20), default=JobStatus.QUEUED.value)
+
+    prompt: Mapped[str] = mapped_column(Text)
+    sampling_params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200))
+    request_hash: Mapped[str | None] = mapped_column(String(64))
+    timeout_s: Mapped[float] = mapped_column(Float)
+
+    output_text: Mapped[str | None] = mapped_column(Text)
+    finish_reason: Mapped[str | None] = mapped_column(String(40))
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    cached_prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    first_token_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    worker: Mapped[str | None] = mapped_column(String(200))
+    error_code: Mapped[str | None] = mapped_column(String(80))
+    error_message: Mapped[str | None] = mapped_column(Text)
+
+
+class ApiKey(Base):
+    """An API key: only its SHA-256 hash is stored; the key itself is shown once."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    owner: Mapped[str] = mapped_column(String(200))
+    tier: Mapped[str] = mapped_column(String(20))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+SCHEMA_REVISION = "0001"
+"""The Alembic head this code expects; /readyz compares it with the database."""

@@ -1,0 +1,105 @@
+"""All configuration, read once from `INFERQ_*` environment variables (and `.env`)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from core.tiers import DEFAULT_TIER_POLICIES, Tier, TierPolicy
+
+
+class Settings(BaseSettings):
+    """inferq's settings; every field is `INFERQ_<NAME>` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="INFERQ_", env_file=".env", extra="ignore")
+
+    data_dir: Path = Field(
+        default=Path(".inferq"), description="Where the embedded defaults live: SQLite, model."
+    )
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Broker and pub/sub.")
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL; default: SQLite file in data_dir."
+    )
+    model: str | None = Field(
+        default=None, description="HF model id or path; default: the local model in data_dir."
+    )
+
+    # Passed through to vLLM's engine arguments.
+    dtype: str = Field(default="auto", description="vLLM dtype.")
+    max_model_len: int | None = Field(default=None, description="Context length; default: model's.")
+    tensor_parallel_size: int | None = Field(
+        default=None, description="vLLM tensor parallelism; default: number of --gpus."
+    )
+    quantization: str | None = Field(default=None, description="vLLM quantization method.")
+    gpu_memory_utilization: float | None = Field(
+        default=None, description="Fraction of device memory for vLLM; default 0.9 GPU, 0.2 CPU."
+    )
+    enable_prefix_caching: bool = Field(default=True, description="vLLM automatic prefix cache.")
+    max_num_seqs: int = Field(default=256, description="vLLM's running batch size limit.")
+    cpu_kvcache_space_gb: int = Field(default=1, description="KV cache size on the CPU build.")
+
+    worker_concurrency: int = Field(
+        default=256, description="Jobs a worker keeps in flight in its engine at once."
+    )
+    lease_ttl_s: float = Field(
+        default=30.0,
+        description="A worker's claim on a job lapses this long after its last renewal.",
+    )
+    tiers: dict[Tier, TierPolicy] = Field(
+        default_factory=lambda: dict(DEFAULT_TIER_POLICIES),
+        description='Tier policy as JSON, e.g. {"basic": {"priority": 0, ...}}.',
+    )
+    default_max_tokens: int = Field(default=256, description="max_tokens when a job omits it.")
+    max_body_bytes: int = Field(default=1024 * 1024, description="Largest accepted request body.")
+    job_key_ttl_s: int = Field(default=24 * 3600, description="TTL of every per-job Redis key.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO")
+
+    @field_validator("tiers", mode="before")
+    @classmethod
+    def _merge_tier_defaults(cls, value: Any) -> Any:
+        """Let a partial tier table override only the tiers and fields it names."""
+        if not isinstance(value, dict):
+            return value
+        unknown = set(value) - {t.value for t in Tier}
+        if unknown:
+            raise ValueError(
+                f"unknown tier name(s) {sorted(unknown)}; tiers are {[t.value for t in Tier]}"
+            )
+        merged: dict[str, Any] = {}
+        for tier, default in DEFAULT_TIER_POLICIES.items():
+            override = value.get(tier.value, {})
+            if isinstance(override, TierPolicy):
+                override = override.model_dump()
+            merged[tier.value] = {**default.model_dump(), **override}
+        return merged
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        """The database URL, defaulting to a SQLite file under data_dir."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'inferq.db').resolve()}"
+
+    @property
+    def model_path(self) -> str:
+        """The model vLLM loads: the configured one, else the local model."""
+        return self.model or str((self.data_dir / "model").resolve())
+
+    @property
+    def uses_local_model(self) -> bool:
+        """True when no model is configured and the generated local model is used."""
+        return self.model is None
+
+    def tier_policy(self, tier: Tier | str) -> TierPolicy:
+        """The policy of one tier."""
+        return self.tiers[Tier(tier)]
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process-wide settings, read once."""
+    return Settings()

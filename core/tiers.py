@@ -1,0 +1,41 @@
+"""SLA tiers: each has a queue, a scheduling priority, a deadline and a token cap."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Tier(StrEnum):
+    """The SLA tiers a key can belong to, best first."""
+
+    PREMIUM = "premium"
+    STANDARD = "standard"
+    BASIC = "basic"
+
+
+class TierPolicy(BaseModel):
+    """What a tier promises: higher `priority` runs first; `timeout_s` bounds a job's total time."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    priority: int = Field(ge=0, le=100)
+    timeout_s: float = Field(gt=0)
+    max_tokens: int = Field(gt=0)
+
+
+# The seed's SLA levels.
+DEFAULT_TIER_POLICIES: dict[Tier, TierPolicy] = {
+    Tier.PREMIUM: TierPolicy(priority=10, timeout_s=30, max_tokens=2048),
+    Tier.STANDARD: TierPolicy(priority=5, timeout_s=60, max_tokens=1024),
+    Tier.BASIC: TierPolicy(priority=0, timeout_s=120, max_tokens=512),
+}
+
+# Workers consume queues in this order, so a waiting premium job is always taken first.
+TIERS_BY_PRIORITY: tuple[Tier, ...] = (Tier.PREMIUM, Tier.STANDARD, Tier.BASIC)
+
+
+def engine_priority(policy: TierPolicy) -> int:
+    """vLLM's request priority: lower values are scheduled first, so negate the tier's."""
+    return -policy.priority

@@ -1,0 +1,266 @@
+"""The `inferq` command: run the parts, manage keys and the schema, submit jobs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+import click
+
+from core.settings import Settings, get_settings
+from core.tiers import Tier
+
+log = logging.getLogger("inferq")
+
+
+def _settings() -> Settings:
+    return get_settings()
+
+
+@click.group()
+@click.version_option(package_name="inferq")
+def main() -> None:
+    """inferq: an asynchronous job queue for LLM inference."""
+    logging.basicConfig(
+        level=os.environ.get("INFERQ_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--workers", default=1, show_default=True, type=int, help="uvicorn processes")
+def api(host: str, port: int, workers: int) -> None:
+    """Serve the HTTP API."""
+    import uvicorn
+
+    uvicorn.run("api.app:app", host=host, port=port, workers=workers, log_level="warning")
+
+
+@main.command()
+@click.option("--gpus", default=None, help="GPU indices this worker owns, e.g. 0 or 0,1.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
+@click.option("--concurrency", type=int, default=None, help="Jobs in flight (default: setting).")
+def worker(gpus: str | None, device: str, concurrency: int | None) -> None:
+    """Run a worker: pin devices, load one vLLM engine, consume the tier queues."""
+    from workers.devices import DeviceSpec, engine_build, parse_gpus
+    from workers.main import run_worker
+
+    if device == "auto":
+        device = "cuda" if gpus is not None else engine_build()
+    if device == "cpu" and gpus is not None:
+        raise click.UsageError("--gpus and --device cpu exclude each other.")
+    try:
+        spec = DeviceSpec("cpu") if device == "cpu" else DeviceSpec("cuda", parse_gpus(gpus or "0"))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpus") from exc
+    sys.exit(run_worker(_settings(), spec, concurrency=concurrency))
+
+
+@main.command()
+@click.option("--port", default=5555, show_default=True, type=int)
+@click.option("--address", default="127.0.0.1", show_default=True)
+def flower(port: int, address: str) -> None:
+    """Run Flower against the broker."""
+    settings = _settings()
+    args = [
+        sys.executable,
+        "-m",
+        "celery",
+        "--broker",
+        settings.redis_url,
+        "flower",
+        f"--port={port}",
+        f"--address={address}",
+    ]
+    os.execv(sys.executable, args)
+
+
+@main.group()
+def db() -> None:
+    """Database schema."""
+
+
+@db.command("upgrade")
+def db_upgrade() -> None:
+    """Apply the migrations."""
+    from migrations import upgrade
+
+    settings = _settings()
+    upgrade(settings.sqlalchemy_url)
+    click.echo(f"database at head: {_redacted(settings.sqlalchemy_url)}")
+
+
+@main.group()
+def keys() -> None:
+    """API keys."""
+
+
+@keys.command("create")
+@click.option("--owner", required=True)
+@click.option("--tier", type=click.Choice([t.value for t in Tier]), default=Tier.STANDARD.value)
+def keys_create(owner: str, tier: str) -> None:
+    """Create a key; it is printed once and only its hash is stored."""
+    from core.apikeys import KeyStore
+    from core.db import Database
+
+    key, record = KeyStore(Database(_settings().sqlalchemy_url)).create(owner, Tier(tier))
+    click.echo(key)
+    click.echo(f"(id {record.id}, owner {owner}, tier {tier}; shown once)", err=True)
+
+
+@keys.command("list")
+@click.option("--owner", default=None)
+def keys_list(owner: str | None) -> None:
+    """List keys (never the keys themselves)."""
+    from core.apikeys import KeyStore
+    from core.db import Database
+
+    for record in KeyStore(Database(_settings().sqlalchemy_url)).list(owner):
+        state = "revoked" if record.revoked_at else "active"
+        click.echo(f"{record.id}\t{record.prefix}…\t{record.owner}\t{record.tier}\t{state}")
+
+
+@keys.command("revoke")
+@click.argument("key_id", type=int)
+def keys_revoke(key_id: int) -> None:
+    """Revoke a key by id."""
+    from core.apikeys import KeyStore
+    from core.db import Database
+
+    if not KeyStore(Database(_settings().sqlalchemy_url)).revoke(key_id):
+        raise click.ClickException(f"no active key with id {key_id}")
+    click.echo(f"revoked {key_id}")
+
+
+@main.group()
+def model() -> None:
+    """The local model."""
+
+
+@model.command("init")
+@click.argument("directory", required=False, type=click.Path(path_type=Path))
+def model_init(directory: Path | None) -> None:
+    """Make the small local model (random weights, byte tokenizer) in DIRECTORY."""
+    from workers.localmodel import init_local_model
+
+    target = directory or Path(_settings().model_path)
+    init_local_model(target)
+    click.echo(f"model written to {target}")
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--file", "prompt_file", type=click.File("r"), help="Read the prompt from a file.")
+@click.option("--max-tokens", type=int, default=None)
+@click.option("--temperature", type=float, default=None)
+@click.option("--api-url", envvar="INFERQ_API_URL", default="http://127.0.0.1:8000")
+@click.option("--key", envvar="INFERQ_API_KEY", default=None, help="Default: the dev key of up.")
+def submit(
+    prompt: str | None,
+    prompt_file: TextIO | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    api_url: str,
+    key: str | None,
+) -> None:
+    """Submit a prompt, show progress while it waits and runs, print the answer."""
+    from inferq.client import ApiError, InferqClient
+    from inferq.local import read_dev_key
+
+    text = prompt_file.read() if prompt_file is not None else prompt
+    if not text:
+        raise click.UsageError("give a PROMPT or --file")
+    key = key or read_dev_key(_settings().data_dir)
+    if key is None:
+        raise click.UsageError("no key: pass --key, set INFERQ_API_KEY, or run `inferq up`")
+    params = {
+        k: v
+        for k, v in {"max_tokens": max_tokens, "temperature": temperature}.items()
+        if v is not None
+    }
+    client = InferqClient(api_url, key)
+    try:
+        job = client.wait(client.submit(text, **params)["id"])
+    except ApiError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if job["status"] != "succeeded":
+        error = job.get("error") or {}
+        raise click.ClickException(f"job {job['status']}: {error.get('message', '')}")
+    click.echo(job["text"])
+
+
+@main.command()
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--flower-port", default=5555, show_default=True, type=int)
+def up(port: int, flower_port: int) -> None:
+    """Run everything locally: Redis, SQLite, migrations, the local model, a worker, API, Flower."""
+    from core.apikeys import KeyStore
+    from core.db import Database
+    from inferq.local import LocalStack, read_dev_key, write_dev_key
+    from migrations import upgrade
+    from workers.localmodel import init_local_model, is_model_dir
+
+    settings = _settings()
+    stack = LocalStack(settings)
+    try:
+        redis_url = stack.ensure_redis()
+        stack.env["INFERQ_REDIS_URL"] = redis_url
+        upgrade(settings.sqlalchemy_url)
+        if settings.uses_local_model and not is_model_dir(Path(settings.model_path)):
+            click.echo("making the local model …")
+            init_local_model(Path(settings.model_path))
+        key = read_dev_key(settings.data_dir)
+        if key is None or KeyStore(Database(settings.sqlalchemy_url)).authenticate(key) is None:
+            key, _ = KeyStore(Database(settings.sqlalchemy_url)).create("dev", Tier.PREMIUM)
+            write_dev_key(settings.data_dir, key)
+        stack.inferq("worker", "worker")
+        stack.inferq("api", "api", "--port", str(port))
+        stack.inferq("flower", "flower", "--port", str(flower_port))
+        click.echo("starting (the engine takes up to a minute to load) …")
+        api_url = f"http://127.0.0.1:{port}"
+        if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):
+            raise SystemExit("the API did not become ready")
+        if not _wait_worker(redis_url, stack, timeout_s=300):
+            raise SystemExit("the worker did not start")
+        click.echo(
+            f"\ninferq is up.\n  API     {api_url}  (docs: {api_url}/docs)\n"
+            f"  Flower  http://127.0.0.1:{flower_port}\n  Redis   {redis_url}\n"
+            f"  DB      {_redacted(settings.sqlalchemy_url)}\n  dev key {key}\n\n"
+            f'Try: inferq submit "Hello"   ·   Ctrl-C stops everything.'
+        )
+        while True:
+            stack.check_alive()
+            time.sleep(1)
+    except KeyboardInterrupt:
+        click.echo("\nstopping …")
+    finally:
+        stack.stop()
+
+
+def _wait_worker(redis_url: str, stack: object, timeout_s: float) -> bool:
+    import redis
+
+    from core.workerinfo import live_workers
+    from inferq.local import LocalStack
+
+    assert isinstance(stack, LocalStack)
+    client = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        if live_workers(client):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _redacted(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

@@ -1,0 +1,140 @@
+"""`inferq up`: run the whole system on one machine with embedded defaults."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import redis
+
+from core.settings import Settings
+
+
+def redis_reachable(url: str) -> bool:
+    """Whether a Redis server answers at `url`."""
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LocalStack:
+    """Child processes started by `inferq up`, stopped in reverse order."""
+
+    settings: Settings
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    processes: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    def ensure_redis(self) -> str:
+        """The configured Redis if it answers, else a local server started here."""
+        url = self.settings.redis_url
+        if redis_reachable(url):
+            return url
+        host = urlparse(url).hostname or "127.0.0.1"
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            raise SystemExit(f"Redis at {url} does not answer, and it is not local to start it.")
+        server = shutil.which("redis-server")
+        if server is None:
+            raise SystemExit(
+                "No Redis answers and redis-server is not installed: install it "
+                "(e.g. `apt-get install redis-server`) or set INFERQ_REDIS_URL."
+            )
+        port = free_port()
+        data = self.settings.data_dir.resolve() / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        command = [
+            server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data),
+        ]
+        self.start("redis", command)
+        url = f"redis://127.0.0.1:{port}/0"
+        for _ in range(50):
+            if redis_reachable(url):
+                return url
+            time.sleep(0.1)
+        raise SystemExit("The local redis-server did not start.")
+
+    def start(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
+        """Start a child process with the stack's environment."""
+        log_dir = self.settings.data_dir.resolve() / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_file = (log_dir / f"{name}.log").open("ab")
+        process = subprocess.Popen(command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT)
+        self.processes.append((name, process))
+        return process
+
+    def inferq(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        """Start an `inferq` subcommand as a child."""
+        return self.start(name, [sys.executable, "-m", "inferq", *args])
+
+    def wait_http(self, url: str, timeout_s: float) -> bool:
+        """Wait until `url` answers 200, or a child dies."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        return False
+
+    def check_alive(self) -> None:
+        """Exit if a child has died."""
+        for name, process in self.processes:
+            if process.poll() is not None:
+                log = self.settings.data_dir.resolve() / "logs" / f"{name}.log"
+                raise SystemExit(f"{name} exited with code {process.returncode}; see {log}")
+
+    def stop(self) -> None:
+        """SIGTERM every child, newest first; SIGKILL what does not stop within 30 s."""
+        for _name, process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+
+def read_dev_key(data_dir: Path) -> str | None:
+    """The key `inferq up` made for local use, if any."""
+    path = data_dir / "dev-key"
+    return path.read_text().strip() if path.is_file() else None
+
+
+def write_dev_key(data_dir: Path, key: str) -> None:
+    """Keep the local dev key for `inferq submit` (readable by this user only)."""
+    path = data_dir / "dev-key"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(key + "\n")
+    path.chmod(0o600)

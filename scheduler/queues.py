@@ -1,0 +1,53 @@
+"""The Celery app on the Redis broker, with one queue per SLA tier, and `enqueue_job`."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from celery import Celery
+from kombu import Queue
+
+from core import keys
+from core.settings import Settings, get_settings
+from core.tiers import TIERS_BY_PRIORITY, Tier
+
+RUN_JOB_TASK = "inferq.run_job"
+
+
+def make_celery_app(settings: Settings) -> Celery:
+    """A Celery app whose workers take premium jobs first and never hoard what they can't start."""
+    app = Celery("inferq", broker=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        task_queues=[Queue(keys.queue_name(tier)) for tier in TIERS_BY_PRIORITY],
+        task_default_queue=keys.queue_name(Tier.STANDARD),
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        # A job is acknowledged only once it has ended, so a lost worker's jobs are redelivered.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        # Each in-flight slot reserves one message, no more: queued jobs stay in Redis, where a
+        # premium job that arrives later is still taken before them.
+        worker_prefetch_multiplier=1,
+        broker_transport_options={
+            # Poll the tier queues in the declared order every time, not round-robin.
+            "queue_order_strategy": "priority",
+            "visibility_timeout": 3600,
+        },
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+    )
+    return app
+
+
+@lru_cache
+def celery_app() -> Celery:
+    """The process-wide Celery app, configured from the settings."""
+    return make_celery_app(get_settings())
+
+
+def enqueue_job(app: Celery, job_id: str, tier: Tier | str) -> None:
+    """Put a committed job's id on its tier's queue; the message carries nothing else."""
+    app.send_task(RUN_JOB_TASK, args=[job_id], queue=keys.queue_name(tier))

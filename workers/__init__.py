@@ -1,0 +1,1 @@
+"""GPU-pinned Celery workers, each holding one vLLM engine."""

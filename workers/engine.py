@@ -1,0 +1,156 @@
+"""The vLLM engine adapter: one AsyncLLM on an event loop in a background thread.
+
+Celery's task threads call `submit`, which schedules the generation on the loop and returns a
+future; vLLM batches every request in flight (continuous batching). This is the only module
+that imports vLLM, and it is imported only after the worker has pinned its devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from datetime import UTC, datetime
+from typing import Any
+
+from core.settings import Settings
+from core.states import JobStatus
+from workers.generation import GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(settings: Settings, *, device: str, num_gpus: int) -> dict[str, Any]:
+    """vLLM engine arguments from inferq's settings."""
+    memory = settings.gpu_memory_utilization
+    if memory is None:
+        memory = 0.2 if device == "cpu" else 0.9
+    args: dict[str, Any] = {
+        "model": settings.model_path,
+        "dtype": settings.dtype,
+        "max_model_len": settings.max_model_len,
+        "tensor_parallel_size": settings.tensor_parallel_size or max(1, num_gpus),
+        "quantization": settings.quantization,
+        "gpu_memory_utilization": memory,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "max_num_seqs": settings.max_num_seqs,
+        "scheduling_policy": "priority",
+        "disable_log_stats": True,
+    }
+    return {k: v for k, v in args.items() if v is not None}
+
+
+class VllmEngine:
+    """An AsyncLLM driven from worker threads."""
+
+    def __init__(self, settings: Settings, *, device: str = "cuda", num_gpus: int = 1) -> None:
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gb))
+        self._args = engine_args(settings, device=device, num_gpus=num_gpus)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="vllm-loop", daemon=True
+        )
+        self._tasks: dict[str, asyncio.Task[GenerationResult]] = {}
+        self._stop_reasons: dict[str, JobStatus] = {}
+        self._llm: Any = None
+
+    def start(self) -> None:
+        """Load the model and start the engine; blocks until it is ready."""
+        self._thread.start()
+        self._run(self._create()).result()
+        log.info("engine ready: %s", self._args["model"])
+
+    async def _create(self) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args))
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
+        """Start generating; the future resolves with the result, whatever the outcome."""
+        return self._run(self._generate(request))
+
+    def cancel(self, request_id: str) -> bool:
+        """Abort a request in the engine; its result is `cancelled` with the partial text."""
+        return self._stop(request_id, JobStatus.CANCELLED)
+
+    def _stop(self, request_id: str, reason: JobStatus) -> bool:
+        task = self._tasks.get(request_id)
+        if task is None:
+            return False
+        self._stop_reasons[request_id] = reason
+        self._loop.call_soon_threadsafe(task.cancel)
+        return True
+
+    async def _generate(self, request: GenerationRequest) -> GenerationResult:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[request.request_id] = task
+        result = GenerationResult(status=JobStatus.RUNNING)
+        params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA)
+        try:
+            async with asyncio.timeout(request.timeout_s):
+                stream = self._llm.generate(
+                    request.prompt, params, request.request_id, priority=request.priority
+                )
+                async for output in stream:
+                    _absorb(result, output)
+            result.status = JobStatus.SUCCEEDED
+        except TimeoutError:
+            result.status = JobStatus.TIMED_OUT
+            result.finish_reason = "timeout"
+            result.error_code = "run_timeout"
+            result.error_message = f"The job ran past its deadline of {request.timeout_s:g} s."
+        except asyncio.CancelledError:
+            reason = self._stop_reasons.pop(request.request_id, None)
+            if reason is None:  # the loop itself is shutting down
+                raise
+            task.uncancel()
+            result.status = reason
+            result.finish_reason = "cancelled"
+        except Exception as exc:  # the engine rejected or lost the request
+            log.exception("generation failed for %s", request.request_id)
+            result.status = JobStatus.FAILED
+            result.error_code = "engine_error"
+            result.error_message = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._tasks.pop(request.request_id, None)
+            self._stop_reasons.pop(request.request_id, None)
+        result.text = "".join(result.chunks)
+        return result
+
+    def shutdown(self) -> None:
+        """Abort what is running, shut the engine down and stop the loop."""
+        if self._llm is not None:
+            for request_id in list(self._tasks):
+                self._stop(request_id, JobStatus.CANCELLED)
+            self._llm.shutdown()
+            self._llm = None
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+
+def _absorb(result: GenerationResult, output: Any) -> None:
+    """Fold one engine step's delta output for a request into its result."""
+    completion = output.outputs[0]
+    if completion.token_ids and result.first_token_at is None:
+        result.first_token_at = datetime.now(UTC)
+    result.chunks.append(completion.text)
+    result.completion_tokens += len(completion.token_ids)
+    if output.prompt_token_ids is not None and result.prompt_tokens is None:
+        result.prompt_tokens = len(output.prompt_token_ids)
+    if output.num_cached_tokens is not None:
+        result.cached_prompt_tokens = output.num_cached_tokens
+    if completion.finish_reason is not None:
+        result.finish_reason = completion.finish_reason

@@ -1,0 +1,53 @@
+"""What the worker asks of an engine and what it gets back; no engine imports here."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from core.states import JobStatus
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One job as the engine sees it."""
+
+    request_id: str
+    prompt: str
+    sampling: dict[str, Any]
+    priority: int
+    timeout_s: float
+
+
+@dataclass
+class GenerationResult:
+    """How a generation ended, with whatever text was made before it ended."""
+
+    status: JobStatus
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    cached_prompt_tokens: int | None = None
+    first_token_at: datetime | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    chunks: list[str] = field(default_factory=list, repr=False)
+
+
+class Engine(Protocol):
+    """The worker's view of an inference engine: submit, cancel, shut down."""
+
+    def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
+        """Start generating; the future resolves when the request ends, however it ends."""
+        ...
+
+    def cancel(self, request_id: str) -> bool:
+        """Abort a running request; its result is `cancelled` with the partial text."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its devices."""
+        ...

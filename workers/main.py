@@ -1,0 +1,105 @@
+"""`inferq worker`: pin devices, load the engine once, then consume the tier queues."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from core import keys
+from core.db import Database
+from core.jobs import JobStore
+from core.settings import Settings
+from core.tiers import TIERS_BY_PRIORITY
+from scheduler.queues import make_celery_app
+from workers.devices import DeviceSpec, pin_devices
+from workers.runner import JobRunner
+from workers.tasks import register_tasks
+
+log = logging.getLogger(__name__)
+
+
+class _Heartbeat(threading.Thread):
+    """Renews the leases of jobs in flight and publishes the worker's counters."""
+
+    def __init__(self, runner: JobRunner, interval_s: float) -> None:
+        super().__init__(name="inferq-heartbeat", daemon=True)
+        self.runner = runner
+        self.interval_s = interval_s
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            try:
+                self.runner.renew_leases()
+            except redis.RedisError:
+                log.warning("heartbeat could not reach Redis; retrying", exc_info=True)
+
+
+class _CancelListener(threading.Thread):
+    """Aborts running jobs whose ids arrive on the cancel channel."""
+
+    def __init__(self, runner: JobRunner, client: redis.Redis) -> None:
+        super().__init__(name="inferq-cancel-listener", daemon=True)
+        self.runner = runner
+        self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+        self.pubsub.subscribe(keys.CANCEL_CHANNEL)
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                message = self.pubsub.get_message(timeout=1.0)
+            except redis.RedisError:
+                log.warning("cancel listener lost Redis; resubscribing", exc_info=True)
+                self.stopped.wait(1.0)
+                continue
+            if message and message["type"] == "message":
+                job_id = message["data"].decode()
+                if self.runner.cancel(job_id):
+                    log.info("aborted job %s on request", job_id)
+
+
+def run_worker(settings: Settings, spec: DeviceSpec, *, concurrency: int | None = None) -> int:
+    """Run a worker until it is told to stop; returns the exit code."""
+    pin_devices(spec)
+    from workers.engine import VllmEngine  # imports vllm: only after pinning
+
+    node_name = spec.node_name()
+    engine = VllmEngine(settings, device=spec.kind, num_gpus=len(spec.gpus))
+    engine.start()
+    client = redis.Redis.from_url(settings.redis_url)
+    runner = JobRunner(
+        settings=settings,
+        store=JobStore(Database(settings.sqlalchemy_url)),
+        engine=engine,
+        redis_client=client,
+        worker_name=node_name,
+    )
+    heartbeat = _Heartbeat(runner, interval_s=min(1.0, settings.lease_ttl_s / 3))
+    listener = _CancelListener(runner, client)
+    heartbeat.start()
+    listener.start()
+    client.sadd(keys.WORKERS_SET, node_name)
+
+    app = make_celery_app(settings)
+    register_tasks(app, runner)
+    worker = app.Worker(
+        hostname=node_name,
+        pool="threads",
+        concurrency=concurrency or settings.worker_concurrency,
+        queues=[keys.queue_name(tier) for tier in TIERS_BY_PRIORITY],
+        loglevel=settings.log_level,
+        without_mingle=True,
+        without_gossip=True,
+    )
+    try:
+        worker.start()
+    finally:
+        heartbeat.stopped.set()
+        listener.stopped.set()
+        runner.renew_leases()
+        engine.shutdown()
+        log.info("worker %s stopped", node_name)
+    return int(worker.exitcode or 0)

@@ -1,0 +1,188 @@
+"""Runs one job: claim it, start an attempt, generate in the engine, record the outcome.
+
+Everything a run touches is handed in (store, engine, Redis, publisher), so unit tests can run
+it against a fake engine. Every step is safe to repeat: a redelivered or duplicated task for a
+job that is final, cancelled or claimed by a live worker does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import redis
+
+from core import keys
+from core.events import EventPublisher
+from core.jobs import JobOutcome, JobStore
+from core.models import Job, as_utc
+from core.settings import Settings
+from core.states import JobStatus, final_event_type
+from core.tiers import engine_priority
+from workers.generation import Engine, GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
+
+# Delete a lease only if it is still ours: a lapsed lease may already belong to another worker.
+_RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass
+class WorkerStats:
+    """Counters a worker keeps about itself; published to Redis by its heartbeat."""
+
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    engine_requests: int = 0
+    skipped: int = 0
+    succeeded: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def as_mapping(self) -> dict[str | bytes | bytearray | memoryview | int | float, int]:
+        """The counters, as written to the worker's stats hash."""
+        with self.lock:
+            return {
+                "in_flight": self.in_flight,
+                "peak_in_flight": self.peak_in_flight,
+                "engine_requests": self.engine_requests,
+                "skipped": self.skipped,
+                "succeeded": self.succeeded,
+            }
+
+
+class JobRunner:
+    """Takes job ids off the queue and drives them through the engine."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        store: JobStore,
+        engine: Engine,
+        redis_client: redis.Redis,
+        worker_name: str,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.engine = engine
+        self.redis = redis_client
+        self.worker_name = worker_name
+        self.publisher = EventPublisher(redis_client, settings.job_key_ttl_s)
+        self.stats = WorkerStats()
+        self._release = redis_client.register_script(_RELEASE_SCRIPT)
+        # job id → (engine request id, lease token) for every job this worker is running
+        self._running: dict[str, tuple[str, str]] = {}
+
+    def run(self, job_id: str) -> JobStatus | None:
+        """Run the job if it still needs running; returns its final status, or None if skipped."""
+        job = self.store.get(job_id)
+        if job is None:
+            log.warning("job %s is not in the database; dropping its message", job_id)
+            return self._skip()
+        if JobStatus(job.status).is_final:
+            return self._skip()
+        token = f"{self.worker_name}:{time.monotonic_ns()}"
+        lease_ms = int(self.settings.lease_ttl_s * 1000)
+        if not self.redis.set(keys.job_lease(job_id), token, nx=True, px=lease_ms):
+            return self._skip()  # a live worker is running it
+        try:
+            return self._run_claimed(job, token)
+        finally:
+            self._release(keys=[keys.job_lease(job_id)], args=[token])
+
+    def _skip(self) -> JobStatus | None:
+        with self.stats.lock:
+            self.stats.skipped += 1
+        return None
+
+    def _run_claimed(self, job: Job, token: str) -> JobStatus | None:
+        job_id = job.id
+        if self.redis.exists(keys.job_cancel_flag(job_id)) and self.store.cancel_if_queued(job_id):
+            self._publish_final(job_id, JobStatus.CANCELLED)
+            return JobStatus.CANCELLED
+        remaining_s = job.timeout_s - _age_s(job.created_at)
+        if remaining_s <= 0 and self.store.expire_if_queued(job_id):
+            self._publish_final(job_id, JobStatus.TIMED_OUT, error_code="queue_timeout")
+            return JobStatus.TIMED_OUT
+        started = self.store.start_attempt(job_id, self.worker_name)
+        if started is None:
+            return self._skip()
+        self.publisher.publish(job_id, "status", status=JobStatus.RUNNING.value)
+
+        request = GenerationRequest(
+            request_id=f"{job_id}-{started.attempt}",
+            prompt=started.prompt,
+            sampling=dict(started.sampling_params),
+            priority=engine_priority(self.settings.tier_policy(started.tier)),
+            timeout_s=max(remaining_s, 0.001),
+        )
+        with self.stats.lock:
+            self.stats.in_flight += 1
+            self.stats.engine_requests += 1
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
+        self._running[job_id] = (request.request_id, token)
+        try:
+            future = self.engine.submit(request)
+            # A cancel that came before we were listening for it left its flag behind.
+            if self.redis.exists(keys.job_cancel_flag(job_id)):
+                self.engine.cancel(request.request_id)
+            result = future.result()
+        finally:
+            self._running.pop(job_id, None)
+            with self.stats.lock:
+                self.stats.in_flight -= 1
+        return self._record(job_id, started.attempt, result)
+
+    def _record(self, job_id: str, attempt: int, result: GenerationResult) -> JobStatus | None:
+        outcome = JobOutcome(
+            status=result.status,
+            text=result.text,
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            cached_prompt_tokens=result.cached_prompt_tokens,
+            first_token_at=result.first_token_at,
+            error_code=result.error_code,
+            error_message=result.error_message,
+        )
+        if not self.store.finish_attempt(job_id, attempt, outcome):
+            log.info("job %s attempt %d was superseded; its result is dropped", job_id, attempt)
+            return None
+        if result.status is JobStatus.SUCCEEDED:
+            with self.stats.lock:
+                self.stats.succeeded += 1
+        self._publish_final(
+            job_id,
+            result.status,
+            finish_reason=result.finish_reason,
+            error_code=result.error_code,
+        )
+        return result.status
+
+    def _publish_final(self, job_id: str, status: JobStatus, **fields: object) -> None:
+        self.publisher.publish(job_id, final_event_type(status), status=status.value, **fields)
+
+    def cancel(self, job_id: str) -> bool:
+        """Abort a job this worker is running; False if it is not running here."""
+        running = self._running.get(job_id)
+        return running is not None and self.engine.cancel(running[0])
+
+    def renew_leases(self) -> None:
+        """Extend the lease of every job in flight here; the heartbeat calls this."""
+        lease_ms = int(self.settings.lease_ttl_s * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in list(self._running):
+            pipe.pexpire(keys.job_lease(job_id), lease_ms)
+        pipe.hset(keys.worker_stats(self.worker_name), mapping=self.stats.as_mapping())
+        pipe.expire(keys.worker_stats(self.worker_name), self.settings.job_key_ttl_s)
+        pipe.execute()
+
+
+def _age_s(created_at: datetime) -> float:
+    return (datetime.now(UTC) - as_utc(created_at)).total_seconds()

@@ -79,9 +79,10 @@ def run_worker(settings: Settings, spec: DeviceSpec, *, concurrency: int | None 
     )
     heartbeat = _Heartbeat(runner, interval_s=min(1.0, settings.lease_ttl_s / 3))
     listener = _CancelListener(runner, client)
+    client.sadd(keys.WORKERS_SET, node_name)
+    runner.renew_leases()
     heartbeat.start()
     listener.start()
-    client.sadd(keys.WORKERS_SET, node_name)
 
     app = make_celery_app(settings)
     register_tasks(app, runner)
@@ -99,7 +100,7 @@ def run_worker(settings: Settings, spec: DeviceSpec, *, concurrency: int | None 
     finally:
         heartbeat.stopped.set()
         listener.stopped.set()
-        runner.renew_leases()
+        runner.retire()
         engine.shutdown()
         log.info("worker %s stopped", node_name)
     return int(worker.exitcode or 0)

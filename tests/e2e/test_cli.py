@@ -1,0 +1,126 @@
+"""The command line as a user drives it: `inferq up`, `inferq submit`, `inferq keys`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from inferq.local import free_port
+
+INFERQ = [sys.executable, "-m", "inferq"]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERQ_")}
+    env.update(INFERQ_DATA_DIR=str(tmp_path / ".inferq"), **extra)
+    return env
+
+
+def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_dir: Path) -> None:
+    api_port, flower_port = free_port(), free_port()
+    # Nothing listens on this Redis port, so `up` starts a Redis server of its own.
+    env = _env(
+        tmp_path,
+        INFERQ_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
+        INFERQ_MODEL=str(model_dir),
+    )
+    up = subprocess.Popen(
+        [*INFERQ, "up", "--port", str(api_port), "--flower-port", str(flower_port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output: list[str] = []
+    try:
+        assert up.stdout is not None
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            output.append(line)
+            if line.startswith("Try:"):
+                break
+        banner = "".join(output)
+        assert "inferq is up." in banner, banner
+        key = re.search(r"dev key (\S+)", banner)
+        assert key is not None
+
+        submitted = subprocess.run(
+            [
+                *INFERQ,
+                "submit",
+                "Hello, inferq",
+                "--max-tokens",
+                "16",
+                "--api-url",
+                f"http://127.0.0.1:{api_port}",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert submitted.returncode == 0, submitted.stderr
+        assert "succeeded" in submitted.stderr
+        assert key.group(1) not in submitted.stdout + submitted.stderr
+
+        flower = httpx.get(f"http://127.0.0.1:{flower_port}/", timeout=10)
+        assert flower.status_code in (200, 401)
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(timeout=90)
+    assert code == 0
+    # Ctrl-C stopped the API too.
+    try:
+        httpx.get(f"http://127.0.0.1:{api_port}/healthz", timeout=2)
+        still_up = True
+    except httpx.HTTPError:
+        still_up = False
+    assert not still_up
+
+
+def test_keys_create_list_revoke(tmp_path: Path) -> None:
+    env = _env(tmp_path)
+    run = lambda *args: subprocess.run(  # noqa: E731
+        [*INFERQ, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run("db", "upgrade").returncode == 0
+    created = run("keys", "create", "--owner", "ada", "--tier", "premium")
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip()
+    assert key.startswith("iq_") and len(key) > 40
+
+    listed = run("keys", "list")
+    assert "ada" in listed.stdout and "premium" in listed.stdout and "active" in listed.stdout
+    assert key not in listed.stdout
+    assert key.encode() not in (tmp_path / ".inferq" / "inferq.db").read_bytes()
+
+    assert run("keys", "revoke", "1").returncode == 0
+    assert "revoked" in run("keys", "list").stdout
+    assert run("keys", "revoke", "1").returncode != 0
+    bad_tier = run("keys", "create", "--owner", "ada", "--tier", "gold")
+    assert bad_tier.returncode == 2 and "gold" in bad_tier.stderr
+
+
+def test_worker_rejects_a_bad_gpu_list(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [*INFERQ, "worker", "--gpus", "0,x"],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--gpus" in result.stderr

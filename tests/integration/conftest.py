@@ -1,0 +1,84 @@
+"""The integration stack: real Redis, SQLite and PostgreSQL, a Celery worker, the vLLM engine."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inferq.local import free_port
+from tests.support import (
+    WORKER_CONCURRENCY,
+    Stack,
+    postgres_database,
+    redis_server,
+    start_stack,
+    wait_ready,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis server owned by this test session."""
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session", params=["sqlite", "postgresql"])
+def database_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """Each integration test runs once on SQLite and once on PostgreSQL."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'inferq.db'}"
+    else:
+        with postgres_database() as url:
+            yield url
+
+
+@pytest.fixture(scope="session")
+def stack(
+    redis_url: str, database_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """API and worker processes on this session's Redis and the current database."""
+    import redis as redis_lib
+
+    redis_lib.Redis.from_url(redis_url).flushdb()
+    tmp = tmp_path_factory.mktemp("stack")
+    local = start_stack(tmp, redis_url, database_url, model_dir)
+    port = free_port()
+    local.start(
+        "worker",
+        [
+            sys.executable,
+            "-m",
+            "inferq",
+            "worker",
+            "--device",
+            "cpu",
+            "--concurrency",
+            str(WORKER_CONCURRENCY),
+        ],
+    )
+    local.start("api", [sys.executable, "-m", "inferq", "api", "--port", str(port)])
+    running = Stack(
+        api_url=f"http://127.0.0.1:{port}",
+        redis_url=redis_url,
+        database_url=database_url,
+        model_dir=model_dir,
+        local=local,
+    )
+    try:
+        wait_ready(running)
+        yield running
+    finally:
+        local.stop()
+        for name in ("worker", "api"):
+            log = tmp / "logs" / f"{name}.log"
+            if log.exists():
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                sys.stderr.write(f"\n--- {name}.log (tail) ---\n" + "\n".join(tail) + "\n")

@@ -1,0 +1,239 @@
+"""The job pipeline end to end: HTTP → Redis tier queue → Celery worker → vLLM → database."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta
+from typing import Any
+
+from core.settings import Settings
+from core.tiers import Tier
+from scheduler.queues import enqueue_job, make_celery_app
+from tests.support import WORKER_CONCURRENCY, Stack, wait_final
+from workers.localmodel import build_tokenizer_json
+
+
+def _submit(stack: Stack, key: str, **body: Any) -> dict[str, Any]:
+    with stack.client(key) as client:
+        response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    job: dict[str, Any] = response.json()
+    return job
+
+
+def _interval(job: dict[str, Any]) -> tuple[datetime, datetime]:
+    created = datetime.fromisoformat(job["created_at"])
+    timings = job["timings"]
+    return created + timedelta(seconds=timings["queue_s"]), created + timedelta(
+        seconds=timings["total_s"]
+    )
+
+
+def _max_overlap(jobs: list[dict[str, Any]]) -> int:
+    edges = []
+    for job in jobs:
+        start, end = _interval(job)
+        edges += [(start, 1), (end, -1)]
+    running = peak = 0
+    for _moment, step in sorted(edges, key=lambda edge: (edge[0], edge[1])):
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def test_submit_then_poll_returns_text_and_token_counts(stack: Stack) -> None:
+    key = stack.create_key(Tier.STANDARD)
+    prompt = "Tell me about queues: ü, 漢字."
+    job = _submit(stack, key, prompt=prompt, max_tokens=24, ignore_eos=True)
+    assert job["status"] == "queued"
+    assert job["tier"] == "standard"
+
+    with stack.client(key) as client:
+        done = wait_final(client, job["id"])
+
+    from tokenizers import Tokenizer
+
+    expected_prompt_tokens = len(Tokenizer.from_str(build_tokenizer_json()).encode(prompt).ids)
+    assert done["status"] == "succeeded", done
+    assert isinstance(done["text"], str)
+    assert done["finish_reason"] == "length"
+    assert done["usage"]["completion_tokens"] == 24
+    assert done["usage"]["prompt_tokens"] == expected_prompt_tokens == len(prompt.encode()) + 1
+    timings = done["timings"]
+    assert 0 <= timings["queue_s"] <= timings["ttft_s"] <= timings["total_s"]
+    assert done["error"] is None
+    assert done["attempt"] == 1
+
+
+def test_64_jobs_run_concurrently_in_the_engine(stack: Stack) -> None:
+    key = stack.create_key(Tier.STANDARD)
+    with ThreadPoolExecutor(16) as pool:
+        jobs = list(
+            pool.map(
+                lambda i: _submit(
+                    stack, key, prompt=f"Job number {i}.", max_tokens=128, ignore_eos=True
+                ),
+                range(64),
+            )
+        )
+    with stack.client(key) as client:
+        finished = [wait_final(client, job["id"]) for job in jobs]
+    assert all(job["status"] == "succeeded" for job in finished)
+    assert all(job["usage"]["completion_tokens"] == 128 for job in finished)
+    # Seen from the jobs' own timestamps, and from the worker's own count.
+    assert _max_overlap(finished) >= 16
+    assert stack.worker_stats()["peak_in_flight"] >= 16
+
+
+BLOCKER_TOKENS = 2000
+
+
+def _fill_worker(stack: Stack, key: str) -> list[dict[str, Any]]:
+    """Occupy every slot of the worker with long jobs (the caller cancels them)."""
+    return [
+        _submit(stack, key, prompt=f"Blocker {i}", max_tokens=BLOCKER_TOKENS, ignore_eos=True)
+        for i in range(WORKER_CONCURRENCY)
+    ]
+
+
+def _cancel_all(client: Any, jobs: list[dict[str, Any]]) -> None:
+    for job in jobs:
+        assert client.delete(f"/v1/jobs/{job['id']}").status_code in (200, 202, 409)
+
+
+def test_premium_job_overtakes_a_backlog_of_basic_jobs(stack: Stack) -> None:
+    premium_key = stack.create_key(Tier.PREMIUM)
+    basic_key = stack.create_key(Tier.BASIC)
+    blockers = _fill_worker(stack, premium_key)
+    with ThreadPoolExecutor(8) as pool:
+        basic = list(
+            pool.map(
+                lambda i: _submit(
+                    stack, basic_key, prompt=f"Basic {i}", max_tokens=32, ignore_eos=True
+                ),
+                range(50),
+            )
+        )
+    premium = _submit(stack, premium_key, prompt="Premium", max_tokens=32, ignore_eos=True)
+
+    with stack.client(premium_key) as client:
+        # The backlog is in place while the worker is still full: free its slots now.
+        assert client.get(f"/v1/jobs/{blockers[-1]['id']}").json()["status"] == "running"
+        _cancel_all(client, blockers)
+        premium_done = wait_final(client, premium["id"])
+    with stack.client(basic_key) as client:
+        basic_done = [wait_final(client, job["id"]) for job in basic]
+
+    assert premium_done["status"] == "succeeded"
+    premium_end = _interval(premium_done)[1]
+    finished_first = [job for job in basic_done if _interval(job)[1] < premium_end]
+    assert len(finished_first) < 25, f"{len(finished_first)} of 50 basic jobs finished first"
+
+
+def test_cancelled_queued_job_never_reaches_the_engine(stack: Stack) -> None:
+    key = stack.create_key(Tier.PREMIUM)
+    before = stack.wait_idle()
+    blockers = _fill_worker(stack, key)
+    queued = _submit(stack, key, prompt="Never run me", max_tokens=16)
+    with stack.client(key) as client:
+        cancelled = client.delete(f"/v1/jobs/{queued['id']}")
+        assert cancelled.status_code == 200, cancelled.text
+        assert cancelled.json()["status"] == "cancelled"
+        # Free the worker: cancelling running jobs aborts them in the engine.
+        _cancel_all(client, blockers)
+        after = stack.wait_idle()
+        final = wait_final(client, queued["id"])
+        blockers_done = [wait_final(client, job["id"]) for job in blockers]
+
+    assert final["status"] == "cancelled"
+    assert final["attempt"] == 0
+    assert final["timings"]["queue_s"] is None  # never started
+    assert after["engine_requests"] - before["engine_requests"] == len(blockers)
+    assert after["skipped"] > before["skipped"]  # its message arrived and was dropped
+    assert all(job["status"] == "cancelled" for job in blockers_done)
+    assert all(job["usage"]["completion_tokens"] < BLOCKER_TOKENS for job in blockers_done)
+
+
+def test_same_idempotency_key_returns_the_same_job(stack: Stack) -> None:
+    key = stack.create_key()
+    body = {"prompt": "Once only", "max_tokens": 8}
+    with stack.client(key) as client:
+        first = client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "abc-1"})
+        again = client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "abc-1"})
+        other_body = client.post(
+            "/v1/jobs", json={**body, "max_tokens": 9}, headers={"Idempotency-Key": "abc-1"}
+        )
+        listed = client.get("/v1/jobs").json()["data"]
+    assert first.status_code == 202
+    assert again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    assert other_body.status_code == 409
+    assert other_body.json()["error"]["code"] == "idempotency_key_reused"
+    assert [job["id"] for job in listed] == [first.json()["id"]]
+
+
+def test_other_owners_job_is_not_found(stack: Stack) -> None:
+    alice, mallory = stack.create_key(), stack.create_key()
+    job = _submit(stack, alice, prompt="Alice's secret", max_tokens=4)
+    with stack.client(mallory) as client:
+        assert client.get(f"/v1/jobs/{job['id']}").status_code == 404
+        assert client.get(f"/v1/jobs/{job['id']}", params={"wait": 1}).status_code == 404
+        assert client.delete(f"/v1/jobs/{job['id']}").status_code == 404
+        assert client.get("/v1/jobs").json()["data"] == []
+    with stack.client(alice) as client:
+        assert wait_final(client, job["id"])["status"] == "succeeded"
+
+
+def test_a_task_delivered_twice_produces_one_result(stack: Stack) -> None:
+    key = stack.create_key()
+    celery = make_celery_app(Settings(redis_url=stack.redis_url))
+    before = stack.wait_idle()
+    job = _submit(stack, key, prompt="Deliver me twice", max_tokens=64, ignore_eos=True)
+    enqueue_job(celery, job["id"], job["tier"])  # a duplicate while it is queued or running
+    with stack.client(key) as client:
+        first = wait_final(client, job["id"])
+        after = stack.wait_idle()
+        enqueue_job(celery, job["id"], job["tier"])  # and a redelivery after it finished
+        later = stack.wait_idle()
+        again = client.get(f"/v1/jobs/{job['id']}").json()
+    assert first["status"] == "succeeded"
+    assert first["attempt"] == 1
+    assert after["engine_requests"] - before["engine_requests"] == 1
+    assert later["engine_requests"] == after["engine_requests"]
+    assert again == first
+
+
+def test_list_is_newest_first_with_cursor_and_status_filter(stack: Stack) -> None:
+    key = stack.create_key()
+    ids = [_submit(stack, key, prompt=f"List {i}", max_tokens=2)["id"] for i in range(5)]
+    with stack.client(key) as client:
+        for job_id in ids:
+            wait_final(client, job_id)
+        page1 = client.get("/v1/jobs", params={"limit": 3}).json()
+        page2 = client.get("/v1/jobs", params={"limit": 3, "cursor": page1["next_cursor"]}).json()
+        succeeded = client.get("/v1/jobs", params={"status": "succeeded"}).json()
+        queued = client.get("/v1/jobs", params={"status": "queued"}).json()
+    assert [j["id"] for j in page1["data"] + page2["data"]] == list(reversed(ids))
+    assert page2["next_cursor"] is None
+    assert len(succeeded["data"]) == 5
+    assert queued["data"] == []
+
+
+def test_cancelling_a_finished_job_is_409_with_its_state(stack: Stack) -> None:
+    key = stack.create_key()
+    job = _submit(stack, key, prompt="Finish first", max_tokens=2)
+    with stack.client(key) as client:
+        wait_final(client, job["id"])
+        response = client.delete(f"/v1/jobs/{job['id']}")
+    assert response.status_code == 409
+    error = response.json()["error"]
+    assert error["code"] == "job_already_final"
+    assert error["job_status"] == "succeeded"
+
+
+def test_health_and_readiness(stack: Stack) -> None:
+    with stack.client(None) as client:
+        assert client.get("/healthz").json() == {"status": "ok"}
+        ready = client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["checks"] == {"redis": "ok", "database": "ok"}

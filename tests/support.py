@@ -1,0 +1,191 @@
+"""Test harness: real Redis, SQLite or PostgreSQL, a Celery worker and the API, per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import redis
+
+from core import keys
+from core.apikeys import KeyStore
+from core.db import Database
+from core.settings import Settings
+from core.tiers import TIERS_BY_PRIORITY, Tier
+from core.workerinfo import live_workers
+from inferq.local import LocalStack, free_port, redis_reachable
+from migrations import upgrade
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+POSTGRES_ADMIN_URL = os.environ.get(
+    "INFERQ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+WORKER_CONCURRENCY = 32
+
+
+class ServiceMissing(RuntimeError):
+    """A service the tests need is not there; the test command should have started it."""
+
+
+@contextmanager
+def redis_server(tmp: Path) -> Iterator[str]:
+    """A Redis server of the test session's own on a free port (so tests may stop it)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        url = os.environ.get("INFERQ_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+        if not redis_reachable(url):
+            raise ServiceMissing(f"no redis-server binary and no Redis at {url}")
+        redis.Redis.from_url(url).flushdb()
+        yield url
+        return
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        for _ in range(100):
+            if redis_reachable(url):
+                break
+            time.sleep(0.05)
+        else:
+            raise ServiceMissing("redis-server did not start")
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@contextmanager
+def postgres_database() -> Iterator[str]:
+    """A fresh PostgreSQL database for one test session, dropped afterwards."""
+    name = f"inferq_test_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        raise ServiceMissing(f"PostgreSQL at {POSTGRES_ADMIN_URL} is not reachable: {exc}") from exc
+    with admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    base = POSTGRES_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@dataclass
+class Stack:
+    """A running inferq: API and one worker on real Redis and a real database."""
+
+    api_url: str
+    redis_url: str
+    database_url: str
+    model_dir: Path
+    local: LocalStack
+    redis: redis.Redis = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.redis = redis.Redis.from_url(self.redis_url)
+
+    @property
+    def db(self) -> Database:
+        """The database the stack writes to."""
+        return Database(self.database_url)
+
+    def create_key(self, tier: Tier = Tier.STANDARD, owner: str | None = None) -> str:
+        """A new key for a fresh owner (so tests never see each other's jobs)."""
+        key, _ = KeyStore(self.db).create(owner or f"owner-{uuid.uuid4().hex[:8]}", tier)
+        return key
+
+    def client(self, key: str | None, **kwargs: Any) -> httpx.Client:
+        """An HTTP client on the API, authenticated with `key`."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.api_url, headers=headers, timeout=120, **kwargs)
+
+    def queue_lengths(self) -> dict[str, int]:
+        """Messages waiting in each tier queue."""
+        return {
+            tier.value: int(self.redis.llen(keys.queue_name(tier))) for tier in TIERS_BY_PRIORITY
+        }
+
+    def worker_stats(self) -> dict[str, int]:
+        """The (single) worker's counters."""
+        workers = live_workers(self.redis)
+        assert len(workers) == 1, workers
+        return next(iter(workers.values()))
+
+    def wait_idle(self, timeout_s: float = 60) -> dict[str, int]:
+        """Wait until the queues are empty and the worker runs nothing; returns its counters."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stats = self.worker_stats()
+            if stats["in_flight"] == 0 and not any(self.queue_lengths().values()):
+                time.sleep(1.2)  # one more heartbeat, so the counters are current
+                return self.worker_stats()
+            time.sleep(0.2)
+        raise AssertionError(f"worker not idle after {timeout_s}s: {self.worker_stats()}")
+
+
+def start_stack(tmp: Path, redis_url: str, database_url: str, model_dir: Path) -> LocalStack:
+    """Migrate the database, then start one worker and the API as child processes."""
+    upgrade(database_url)
+    settings = Settings(data_dir=tmp, redis_url=redis_url, database_url=database_url)
+    local = LocalStack(settings)
+    local.env.update(
+        INFERQ_DATA_DIR=str(tmp),
+        INFERQ_REDIS_URL=redis_url,
+        INFERQ_DATABASE_URL=database_url,
+        INFERQ_MODEL=str(model_dir),
+        INFERQ_MAX_MODEL_LEN="4096",
+        INFERQ_LOG_LEVEL="INFO",
+    )
+    return local
+
+
+def wait_ready(stack: Stack, timeout_s: float = 300) -> None:
+    """Wait until the API is ready and the worker's heartbeat is up."""
+    if not stack.local.wait_http(f"{stack.api_url}/readyz", timeout_s=60):
+        raise ServiceMissing("the API did not become ready")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stack.local.check_alive()
+        if live_workers(stack.redis):
+            return
+        time.sleep(0.5)
+    raise ServiceMissing("the worker did not start")
+
+
+def wait_final(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict[str, Any]:
+    """Long-poll a job until it is final."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        response = client.get(f"/v1/jobs/{job_id}", params={"wait": 10})
+        assert response.status_code == 200, response.text
+        job: dict[str, Any] = response.json()
+        if job["status"] in ("succeeded", "failed", "cancelled", "timed_out"):
+            return job
+    raise AssertionError(f"job {job_id} not final after {timeout_s}s")

@@ -31,7 +31,7 @@ def test_env_overrides_part_of_one_tier(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_unknown_tier_name_fails_with_a_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFERQ_TIERS", '{"gold": {"priority": 99}}')
-    with pytest.raises(ValidationError, match="unknown tier name.*gold"):
+    with pytest.raises(ValidationError, match=r"unknown tier name.*gold"):
         Settings(_env_file=None)
 
 

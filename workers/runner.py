@@ -131,6 +131,13 @@ class JobRunner:
             self.stats.engine_requests += 1
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
         self._running[job_id] = (request.request_id, token)
+        log.info(
+            "job %s started: attempt %d, tier %s, %d in flight",
+            job_id,
+            started.attempt,
+            started.tier,
+            self.stats.in_flight,
+        )
         try:
             future = self.engine.submit(request)
             # A cancel that came before we were listening for it left its flag behind.
@@ -158,6 +165,13 @@ class JobRunner:
         if not self.store.finish_attempt(job_id, attempt, outcome):
             log.info("job %s attempt %d was superseded; its result is dropped", job_id, attempt)
             return None
+        log.info(
+            "job %s %s: %d tokens, finish %s",
+            job_id,
+            result.status.value,
+            result.completion_tokens,
+            result.finish_reason,
+        )
         if result.status is JobStatus.SUCCEEDED:
             with self.stats.lock:
                 self.stats.succeeded += 1

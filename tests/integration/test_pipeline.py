@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any
@@ -237,3 +238,23 @@ def test_health_and_readiness(stack: Stack) -> None:
         ready = client.get("/readyz")
     assert ready.status_code == 200
     assert ready.json()["checks"] == {"redis": "ok", "database": "ok"}
+
+
+def test_deadlines_end_jobs_timed_out_queued_or_running(stack: Stack) -> None:
+    key = stack.create_key(Tier.PREMIUM)
+    blockers = _fill_worker(stack, key)
+    waits_too_long = _submit(stack, key, prompt="Too late", max_tokens=8, timeout_s=0.2)
+    with stack.client(key) as client:
+        time.sleep(0.5)
+        _cancel_all(client, blockers)
+        expired = wait_final(client, waits_too_long["id"])
+        runs_too_long = _submit(
+            stack, key, prompt="Too long", max_tokens=2000, ignore_eos=True, timeout_s=0.3
+        )
+        overran = wait_final(client, runs_too_long["id"])
+    assert expired["status"] == "timed_out"
+    assert expired["error"]["code"] == "queue_timeout"
+    assert expired["attempt"] == 0  # never reached the engine
+    assert overran["status"] == "timed_out"
+    assert overran["error"]["code"] == "run_timeout"
+    assert 0 < overran["usage"]["completion_tokens"] < 2000

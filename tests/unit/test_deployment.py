@@ -57,3 +57,13 @@ def test_redis_requires_a_password_and_is_not_published() -> None:
     redis = SERVICES["redis"]
     assert "--requirepass" in redis["command"]
     assert "ports" not in redis
+
+
+def test_readme_configuration_table_lists_every_setting() -> None:
+    readme = (ROOT / "README.md").read_text()
+    missing = [
+        f"INFERQ_{name.upper()}"
+        for name in Settings.model_fields
+        if f"| `INFERQ_{name.upper()}` |" not in readme
+    ]
+    assert missing == []

@@ -26,6 +26,8 @@ redis.call('PUBLISH', KEYS[2], payload)
 return seq
 """
 
+_MAX_BLOCK_MS = 2000
+
 FINAL_EVENT_TYPES = frozenset({"done", "error", "cancelled", "timed_out"})
 
 
@@ -47,11 +49,19 @@ class EventPublisher:
         self.ttl_s = ttl_s
         self._script = client.register_script(_PUBLISH_SCRIPT)
 
-    def publish(self, job_id: str, event_type: str, **fields: Any) -> None:
-        """Append one event to the job's stream and publish it."""
+    def publish(
+        self,
+        job_id: str,
+        event_type: str,
+        *,
+        client: redis.client.Pipeline | None = None,
+        **fields: Any,
+    ) -> None:
+        """Append one event to the job's stream and publish it (or queue that on a pipeline)."""
         self._script(
             keys=[keys.job_event_stream(job_id), keys.job_events_channel(job_id)],
             args=[encode_event(job_id, event_type, **fields), self.ttl_s],
+            client=client,
         )
 
     def publish_many(self, events: list[tuple[str, str, dict[str, Any]]]) -> None:
@@ -89,7 +99,9 @@ async def wait_for_final_event(client: aioredis.Redis, job_id: str, timeout_s: f
     remaining_ms = max(1, int(timeout_s * 1000))
     deadline = time.monotonic() + timeout_s
     while remaining_ms > 0:
-        reply = await client.xread({stream: last_id}, block=remaining_ms, count=100)
+        # Short blocks keep each read well inside the client's socket timeout.
+        block_ms = min(remaining_ms, _MAX_BLOCK_MS)
+        reply = await client.xread({stream: last_id}, block=block_ms, count=100)
         for event_id, event in _entries(reply):
             last_id = event_id
             if is_final(event):

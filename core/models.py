@@ -5,7 +5,19 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Dialect,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from core.states import JobStatus
@@ -19,6 +31,24 @@ def utcnow() -> datetime:
 def as_utc(moment: datetime) -> datetime:
     """`moment` as aware UTC; SQLite hands stored datetimes back naive."""
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+class Utf8Text(TypeDecorator[str]):
+    """Text stored as its UTF-8 bytes, so every string round-trips on every database.
+
+    PostgreSQL's text types reject NUL characters, which prompts and model output may contain.
+    """
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> bytes | None:
+        """str → UTF-8 bytes."""
+        return None if value is None else value.encode("utf-8", "surrogatepass")
+
+    def process_result_value(self, value: bytes | None, dialect: Dialect) -> str | None:
+        """UTF-8 bytes → str."""
+        return None if value is None else bytes(value).decode("utf-8", "surrogatepass")
 
 
 class Base(DeclarativeBase):
@@ -40,13 +70,13 @@ class Job(Base):
     tier: Mapped[str] = mapped_column(String(20))
     status: Mapped[str] = mapped_column(String(20), default=JobStatus.QUEUED.value)
 
-    prompt: Mapped[str] = mapped_column(Text)
+    prompt: Mapped[str] = mapped_column(Utf8Text)
     sampling_params: Mapped[dict[str, Any]] = mapped_column(JSON)
     idempotency_key: Mapped[str | None] = mapped_column(String(200))
     request_hash: Mapped[str | None] = mapped_column(String(64))
     timeout_s: Mapped[float] = mapped_column(Float)
 
-    output_text: Mapped[str | None] = mapped_column(Text)
+    output_text: Mapped[str | None] = mapped_column(Utf8Text)
     finish_reason: Mapped[str | None] = mapped_column(String(40))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)

@@ -56,6 +56,9 @@ class VllmEngine:
         )
         self._tasks: dict[str, asyncio.Task[GenerationResult]] = {}
         self._stop_reasons: dict[str, JobStatus] = {}
+        # Submitted but not yet running on the loop: a stop for these is kept until they start.
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
         self._llm: Any = None
 
     def start(self) -> None:
@@ -75,6 +78,8 @@ class VllmEngine:
 
     def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
         """Start generating; the future resolves with the result, whatever the outcome."""
+        with self._lock:
+            self._pending.add(request.request_id)
         return self._run(self._generate(request))
 
     def cancel(self, request_id: str) -> bool:
@@ -82,11 +87,13 @@ class VllmEngine:
         return self._stop(request_id, JobStatus.CANCELLED)
 
     def _stop(self, request_id: str, reason: JobStatus) -> bool:
-        task = self._tasks.get(request_id)
-        if task is None:
-            return False
-        self._stop_reasons[request_id] = reason
-        self._loop.call_soon_threadsafe(task.cancel)
+        with self._lock:
+            task = self._tasks.get(request_id)
+            if task is None and request_id not in self._pending:
+                return False
+            self._stop_reasons[request_id] = reason
+        if task is not None:
+            self._loop.call_soon_threadsafe(task.cancel)
         return True
 
     async def _generate(self, request: GenerationRequest) -> GenerationResult:
@@ -95,8 +102,16 @@ class VllmEngine:
 
         task = asyncio.current_task()
         assert task is not None
-        self._tasks[request.request_id] = task
         result = GenerationResult(status=JobStatus.RUNNING)
+        with self._lock:
+            self._pending.discard(request.request_id)
+            stopped_early = self._stop_reasons.pop(request.request_id, None)
+            if stopped_early is None:
+                self._tasks[request.request_id] = task
+        if stopped_early is not None:  # stopped before it reached the engine
+            result.status = stopped_early
+            result.finish_reason = "cancelled"
+            return result
         params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA)
         try:
             async with asyncio.timeout(request.timeout_s):
@@ -112,7 +127,8 @@ class VllmEngine:
             result.error_code = "run_timeout"
             result.error_message = f"The job ran past its deadline of {request.timeout_s:g} s."
         except asyncio.CancelledError:
-            reason = self._stop_reasons.pop(request.request_id, None)
+            with self._lock:
+                reason = self._stop_reasons.pop(request.request_id, None)
             if reason is None:  # the loop itself is shutting down
                 raise
             task.uncancel()
@@ -124,8 +140,9 @@ class VllmEngine:
             result.error_code = "engine_error"
             result.error_message = f"{type(exc).__name__}: {exc}"
         finally:
-            self._tasks.pop(request.request_id, None)
-            self._stop_reasons.pop(request.request_id, None)
+            with self._lock:
+                self._tasks.pop(request.request_id, None)
+                self._stop_reasons.pop(request.request_id, None)
         result.text = "".join(result.chunks)
         return result
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from typing import Any
 
 import redis
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from core import keys
 from core.events import EventPublisher
@@ -32,6 +34,9 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+
+STORE_RETRIES = 12
+"""Attempts to write a result while the database is unreachable (about a minute in all)."""
 
 STATS_TTL_S = 10
 """A worker whose heartbeat stops drops off the live list after this long."""
@@ -93,10 +98,14 @@ class JobRunner:
             return self._skip()
         token = f"{self.worker_name}:{time.monotonic_ns()}"
         lease_ms = int(self.settings.lease_ttl_s * 1000)
-        if not self.redis.set(keys.job_lease(job_id), token, nx=True, px=lease_ms):
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(keys.job_lease(job_id), token, nx=True, px=lease_ms)
+        pipe.exists(keys.job_cancel_flag(job_id))
+        claimed, cancel_requested = pipe.execute()
+        if not claimed:
             return self._skip()  # a live worker is running it
         try:
-            return self._run_claimed(job, token)
+            return self._run_claimed(job, token, bool(cancel_requested))
         finally:
             self._release(keys=[keys.job_lease(job_id)], args=[token])
 
@@ -105,9 +114,9 @@ class JobRunner:
             self.stats.skipped += 1
         return None
 
-    def _run_claimed(self, job: Job, token: str) -> JobStatus | None:
+    def _run_claimed(self, job: Job, token: str, cancel_requested: bool) -> JobStatus | None:
         job_id = job.id
-        if self.redis.exists(keys.job_cancel_flag(job_id)) and self.store.cancel_if_queued(job_id):
+        if cancel_requested and self.store.cancel_if_queued(job_id):
             self._publish_final(job_id, JobStatus.CANCELLED)
             return JobStatus.CANCELLED
         remaining_s = job.timeout_s - _age_s(job.created_at)
@@ -117,7 +126,6 @@ class JobRunner:
         started = self.store.start_attempt(job_id, self.worker_name)
         if started is None:
             return self._skip()
-        self.publisher.publish(job_id, "status", status=JobStatus.RUNNING.value)
 
         request = GenerationRequest(
             request_id=f"{job_id}-{started.attempt}",
@@ -140,8 +148,11 @@ class JobRunner:
         )
         try:
             future = self.engine.submit(request)
-            # A cancel that came before we were listening for it left its flag behind.
-            if self.redis.exists(keys.job_cancel_flag(job_id)):
+            # Registered before this check, so a cancel is either seen here or by the listener.
+            pipe = self.redis.pipeline(transaction=False)
+            self.publisher.publish(job_id, "status", status=JobStatus.RUNNING.value, client=pipe)
+            pipe.exists(keys.job_cancel_flag(job_id))
+            if pipe.execute()[-1]:
                 self.engine.cancel(request.request_id)
             result = future.result()
         finally:
@@ -162,9 +173,11 @@ class JobRunner:
             error_code=result.error_code,
             error_message=result.error_message,
         )
-        if not self.store.finish_attempt(job_id, attempt, outcome):
+        written = self._store_outcome(job_id, attempt, outcome)
+        if written is None:
             log.info("job %s attempt %d was superseded; its result is dropped", job_id, attempt)
             return None
+        result.status = written.status
         log.info(
             "job %s %s: %d tokens, finish %s",
             job_id,
@@ -179,11 +192,39 @@ class JobRunner:
             job_id,
             result.status,
             finish_reason=result.finish_reason,
-            error_code=result.error_code,
+            error_code=written.error_code,
         )
         return result.status
 
-    def _publish_final(self, job_id: str, status: JobStatus, **fields: object) -> None:
+    def _store_outcome(self, job_id: str, attempt: int, outcome: JobOutcome) -> JobOutcome | None:
+        """Write the outcome, retrying while the database is unreachable.
+
+        A result the database refuses outright is replaced by a `failed` outcome saying so, so
+        the job still ends in exactly one final state. None if the attempt was superseded.
+        """
+        delay_s = 0.2
+        for _ in range(STORE_RETRIES):
+            try:
+                if self.store.finish_attempt(job_id, attempt, outcome):
+                    return outcome
+                return None
+            except DBAPIError as exc:
+                if exc.connection_invalidated or isinstance(exc, OperationalError):
+                    log.warning("job %s: database unavailable, retrying: %s", job_id, exc)
+                    time.sleep(delay_s)
+                    delay_s = min(delay_s * 2, 5.0)
+                    continue
+                log.exception("job %s: the database refused its result", job_id)
+                outcome = replace(
+                    outcome,
+                    status=JobStatus.FAILED,
+                    text="",
+                    error_code="result_not_stored",
+                    error_message=f"The result could not be stored: {type(exc.orig).__name__}.",
+                )
+        raise RuntimeError(f"job {job_id}: the database stayed unavailable")
+
+    def _publish_final(self, job_id: str, status: JobStatus, **fields: Any) -> None:
         self.publisher.publish(job_id, final_event_type(status), status=status.value, **fields)
 
     def cancel(self, job_id: str) -> bool:

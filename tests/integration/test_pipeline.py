@@ -126,9 +126,12 @@ def test_premium_job_overtakes_a_backlog_of_basic_jobs(stack: Stack) -> None:
         basic_done = [wait_final(client, job["id"]) for job in basic]
 
     assert premium_done["status"] == "succeeded"
-    premium_end = _interval(premium_done)[1]
+    premium_start, premium_end = _interval(premium_done)
+    started_first = [job for job in basic_done if _interval(job)[0] < premium_start]
     finished_first = [job for job in basic_done if _interval(job)[1] < premium_end]
-    assert len(finished_first) < 25, f"{len(finished_first)} of 50 basic jobs finished first"
+    timeline = sorted((_interval(job), job["tier"]) for job in [*basic_done, premium_done])
+    assert len(started_first) <= 1, timeline[:10]  # a slot may free while premium is posted
+    assert len(finished_first) < 25, timeline[:30]
 
 
 def test_cancelled_queued_job_never_reaches_the_engine(stack: Stack) -> None:
@@ -258,3 +261,14 @@ def test_deadlines_end_jobs_timed_out_queued_or_running(stack: Stack) -> None:
     assert overran["status"] == "timed_out"
     assert overran["error"]["code"] == "run_timeout"
     assert 0 < overran["usage"]["completion_tokens"] < 2000
+
+
+def test_nul_characters_in_prompt_and_output_are_stored(stack: Stack) -> None:
+    # PostgreSQL's text types refuse NUL; the byte-level model emits it now and then.
+    key = stack.create_key()
+    prompt = "before\x00after"
+    jobs = [_submit(stack, key, prompt=prompt, max_tokens=256, ignore_eos=True) for _ in range(8)]
+    with stack.client(key) as client:
+        done = [wait_final(client, job["id"]) for job in jobs]
+    assert all(job["status"] == "succeeded" for job in done), [j["error"] for j in done]
+    assert all(job["usage"]["prompt_tokens"] == len(prompt.encode()) + 1 for job in done)

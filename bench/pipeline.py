@@ -347,6 +347,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--model", type=Path, default=None, help="default: .inferq/model, else a fresh local model"
     )
+    parser.add_argument(
+        "--database-url", default=None, help="default: a fresh SQLite file in a temp dir"
+    )
     return parser.parse_args(argv)
 
 
@@ -370,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     # The Redis URL points at a port nobody serves, so LocalStack starts its own redis-server.
     settings = Settings(
         data_dir=work_dir,
-        database_url=f"sqlite:///{work_dir / 'inferq.db'}",
+        database_url=args.database_url or f"sqlite:///{work_dir / 'inferq.db'}",
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
         model=str(model_dir.resolve()),
     )

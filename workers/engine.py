@@ -151,11 +151,20 @@ class VllmEngine:
         if self._llm is not None:
             for request_id in list(self._tasks):
                 self._stop(request_id, JobStatus.CANCELLED)
-            self._llm.shutdown()
-            self._llm = None
+            llm, self._llm = self._llm, None
+            if self._loop.is_running():
+                # On the loop's own thread, vLLM's output handler is cancelled before it can
+                # see the engine core die (and log that as an error).
+                self._run(_shutdown_engine(llm)).result(timeout=120)
+            else:
+                llm.shutdown()
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+
+
+async def _shutdown_engine(llm: Any) -> None:
+    llm.shutdown()
 
 
 def _absorb(result: GenerationResult, output: Any) -> None:

@@ -8,7 +8,7 @@ from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from api.services import Services
-from core.apikeys import Principal
+from core.apikeys import Principal, hash_key
 from core.errors import AuthenticationFailed
 
 
@@ -36,9 +36,13 @@ async def get_principal(request: Request, services: ServicesDep) -> Principal:
     key = _presented_key(request)
     if key is None:
         raise AuthenticationFailed()
-    principal = await run_in_threadpool(services.keys.authenticate, key)
+    key_hash = hash_key(key)
+    principal = services.principals.get(key_hash)
     if principal is None:
-        raise AuthenticationFailed()
+        principal = await run_in_threadpool(services.keys.authenticate, key)
+        if principal is None:
+            raise AuthenticationFailed()
+        services.principals.put(key_hash, principal)
     return principal
 
 

@@ -2,18 +2,47 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from celery import Celery
 
-from core.apikeys import KeyStore
+from core.apikeys import KeyStore, Principal
 from core.db import Database
 from core.events import AsyncEventPublisher
 from core.jobs import JobStore
 from core.modelinfo import ModelInfo, load_model_info
 from core.settings import Settings
 from scheduler.queues import make_celery_app
+
+
+class PrincipalCache:
+    """Keys checked recently, so a busy client costs one database lookup per TTL, not per call.
+
+    Only live keys are kept: unknown keys always go to the database and cannot fill the cache.
+    """
+
+    MAX_ENTRIES = 10_000
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._entries: dict[str, tuple[float, Principal]] = {}
+
+    def get(self, key_hash: str) -> Principal | None:
+        """The cached principal, if it is still fresh."""
+        entry = self._entries.get(key_hash)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def put(self, key_hash: str, principal: Principal) -> None:
+        """Remember a key that just authenticated."""
+        if self.ttl_s <= 0:
+            return
+        if len(self._entries) >= self.MAX_ENTRIES:
+            self._entries.clear()
+        self._entries[key_hash] = (time.monotonic() + self.ttl_s, principal)
 
 
 @dataclass
@@ -28,6 +57,7 @@ class Services:
     events: AsyncEventPublisher
     celery: Celery
     model: ModelInfo
+    principals: PrincipalCache
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -45,6 +75,7 @@ class Services:
             events=AsyncEventPublisher(client, settings.job_key_ttl_s),
             celery=make_celery_app(settings),
             model=load_model_info(settings.model_path, settings.max_model_len),
+            principals=PrincipalCache(settings.auth_cache_ttl_s),
         )
 
     async def close(self) -> None:

@@ -56,9 +56,16 @@ async def submit_job(
     """Validate, store, then enqueue; returns the job and whether it is new.
 
     The row is committed before the id is enqueued, so a worker never sees an id it cannot load.
+    Tokenizing, storing and enqueueing block, so they share one trip to the thread pool.
     """
+    return await run_in_threadpool(_submit_blocking, services, principal, body, idempotency_key)
+
+
+def _submit_blocking(
+    services: Services, principal: Principal, body: JobCreate, idempotency_key: str | None
+) -> tuple[Job, bool]:
     max_tokens = check_against_tier(services, principal, body)
-    prompt_tokens = await run_in_threadpool(services.model.count_tokens, body.prompt)
+    prompt_tokens = services.model.count_tokens(body.prompt)
     check_context(services, prompt_tokens, max_tokens)
     policy = services.settings.tier_policy(principal.tier)
     request_hash = None
@@ -75,9 +82,9 @@ async def submit_job(
         idempotency_key=idempotency_key,
         request_hash=request_hash,
     )
-    job, created = await run_in_threadpool(services.jobs.create, new)
+    job, created = services.jobs.create(new)
     if created:
-        await run_in_threadpool(enqueue_job, services.celery, job.id, job.tier)
+        enqueue_job(services.celery, job.id, job.tier)
     return job, created
 
 

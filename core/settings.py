@@ -49,9 +49,18 @@ class Settings(BaseSettings):
         default=30.0,
         description="A worker's claim on a job lapses this long after its last renewal.",
     )
+    task_events: bool = Field(
+        default=False,
+        description="Send Celery task events (Flower's task pages); costs Redis traffic per job.",
+    )
     tiers: dict[Tier, TierPolicy] = Field(
         default_factory=lambda: dict(DEFAULT_TIER_POLICIES),
         description='Tier policy as JSON, e.g. {"basic": {"priority": 0, ...}}.',
+    )
+    auth_cache_ttl_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="How long the API trusts a checked key; a revoked key works up to this long.",
     )
     default_max_tokens: int = Field(default=256, description="max_tokens when a job omits it.")
     max_body_bytes: int = Field(default=1024 * 1024, description="Largest accepted request body.")

@@ -36,8 +36,10 @@ def make_celery_app(settings: Settings) -> Celery:
         },
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
-        worker_send_task_events=True,
-        task_send_sent_event=True,
+        # Task events feed Flower's task pages but cost several Redis messages per job;
+        # workers and their heartbeats show in Flower either way.
+        worker_send_task_events=settings.task_events,
+        task_send_sent_event=settings.task_events,
     )
     return app
 

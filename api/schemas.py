@@ -46,6 +46,14 @@ class JobCreate(BaseModel):
         return {k: v for k, v in params.items() if v is not None}
 
 
+class JobBatchCreate(BaseModel):
+    """Many jobs in one request: all are accepted, or none."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    jobs: list[JobCreate] = Field(min_length=1, max_length=1000)
+
+
 class Usage(BaseModel):
     """Token counts of a job."""
 

@@ -12,11 +12,17 @@ from api.schemas import JobCreate
 from api.services import Services
 from core import keys
 from core.apikeys import Principal
-from core.errors import ContextLengthExceeded, JobAlreadyFinal, NotFound, TierLimitExceeded
+from core.errors import (
+    ClientError,
+    ContextLengthExceeded,
+    JobAlreadyFinal,
+    NotFound,
+    TierLimitExceeded,
+)
 from core.jobs import NewJob
 from core.models import Job
 from core.states import JobStatus
-from scheduler.queues import enqueue_job
+from scheduler.queues import enqueue_job, enqueue_jobs
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,42 @@ async def submit_job(
 def _submit_blocking(
     services: Services, principal: Principal, body: JobCreate, idempotency_key: str | None
 ) -> tuple[Job, bool]:
+    job, created = services.jobs.create(new_job(services, principal, body, idempotency_key))
+    if created:
+        enqueue_job(services.celery, job.id, job.tier)
+    return job, created
+
+
+async def submit_jobs(
+    services: Services, principal: Principal, bodies: list[JobCreate]
+) -> list[Job]:
+    """Validate every job, store them all in one transaction, then enqueue them all.
+
+    One bad job rejects the whole batch (its index in `param`), before anything is stored.
+    """
+    return await run_in_threadpool(_submit_many_blocking, services, principal, bodies)
+
+
+def _submit_many_blocking(
+    services: Services, principal: Principal, bodies: list[JobCreate]
+) -> list[Job]:
+    batch = []
+    for index, body in enumerate(bodies):
+        try:
+            batch.append(new_job(services, principal, body, None))
+        except ClientError as exc:
+            exc.message = f"jobs[{index}]: {exc.message}"
+            exc.param = f"jobs[{index}].{exc.param}" if exc.param else f"jobs[{index}]"
+            raise
+    jobs = services.jobs.create_many(batch)
+    enqueue_jobs(services.celery, [(job.id, job.tier) for job in jobs])
+    return jobs
+
+
+def new_job(
+    services: Services, principal: Principal, body: JobCreate, idempotency_key: str | None
+) -> NewJob:
+    """The job to store for a request, after checking it against its tier and the model."""
     max_tokens = check_against_tier(services, principal, body)
     prompt_tokens = services.model.count_tokens(body.prompt)
     check_context(services, prompt_tokens, max_tokens)
@@ -72,7 +114,7 @@ def _submit_blocking(
     if idempotency_key is not None:
         canonical = json.dumps(body.model_dump(), sort_keys=True)
         request_hash = hashlib.sha256(canonical.encode()).hexdigest()
-    new = NewJob(
+    return NewJob(
         owner=principal.owner,
         tier=principal.tier.value,
         prompt=body.prompt,
@@ -82,10 +124,6 @@ def _submit_blocking(
         idempotency_key=idempotency_key,
         request_hash=request_hash,
     )
-    job, created = services.jobs.create(new)
-    if created:
-        enqueue_job(services.celery, job.id, job.tier)
-    return job, created
 
 
 async def cancel_job(services: Services, owner: str, job_id: str) -> Job:

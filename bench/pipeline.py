@@ -30,6 +30,7 @@ CONNECTIONS = 64
 LONG_POLL_S = 30
 JOB_DEADLINE_S = 600.0
 THROUGHPUT_TARGET = 0.90
+BATCH_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,27 @@ async def _submit_and_wait(
     return final, posted, done
 
 
-async def drive_pipeline(api_url: str, key: str, workload: Workload) -> ModeResult:
-    """One warm-up job, then every job submitted concurrently, each long-polled until final."""
+async def _submit_batch_and_wait(
+    session: aiohttp.ClientSession, prompts: list[str], workload: Workload
+) -> list[tuple[dict[str, Any], float, float]]:
+    """Submit several jobs in one `POST /v1/jobs/batch`, then long-poll each until final."""
+    body = {"jobs": [{"prompt": p, **workload.sampling()} for p in prompts]}
+    async with session.post("/v1/jobs/batch", json=body) as response:
+        if response.status != 202:
+            raise RuntimeError(f"POST /v1/jobs/batch answered {response.status}")
+        jobs = (await response.json())["data"]
+    posted = time.perf_counter()
+    finals = await asyncio.gather(*(_wait_final(session, job["id"]) for job in jobs))
+    return [(job, posted, done) for job, done in finals]
+
+
+async def drive_pipeline(
+    api_url: str, key: str, workload: Workload, batch_size: int | None = None
+) -> ModeResult:
+    """One warm-up job, then every job submitted concurrently, each long-polled until final.
+
+    With `batch_size`, jobs go in `POST /v1/jobs/batch` requests of that many, sent concurrently.
+    """
     # aiohttp rather than httpx: on a 2-core host httpx's per-request CPU cost took more of the
     # machine than the API itself, and the client is not what is being measured.
     connector = aiohttp.TCPConnector(limit=CONNECTIONS)
@@ -159,9 +179,15 @@ async def drive_pipeline(api_url: str, key: str, workload: Workload) -> ModeResu
         await _wait_final(session, warmup["id"])
 
         t0 = time.perf_counter()
-        runs = await asyncio.gather(
-            *(_submit_and_wait(session, p, workload) for p in workload.prompts())
-        )
+        prompts = workload.prompts()
+        if batch_size is None:
+            runs = await asyncio.gather(*(_submit_and_wait(session, p, workload) for p in prompts))
+        else:
+            chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+            batches = await asyncio.gather(
+                *(_submit_batch_and_wait(session, chunk, workload) for chunk in chunks)
+            )
+            runs = [run for batch in batches for run in batch]
         submit_phase_s = max(posted for _, posted, _ in runs) - t0
         finals = [(job, done) for job, _, done in runs]
 
@@ -176,7 +202,7 @@ async def drive_pipeline(api_url: str, key: str, workload: Workload) -> ModeResu
     server_span_s = max(finished) - min(c.timestamp() for c in created) if ok else 0.0
     queue_s = [job["timings"]["queue_s"] for job in ok if job["timings"]["queue_s"] is not None]
     return ModeResult(
-        mode="inferq pipeline",
+        mode="inferq pipeline" if batch_size is None else f"inferq, batches of {batch_size}",
         jobs=len(finals),
         succeeded=len(ok),
         tokens=sum(job["usage"]["completion_tokens"] or 0 for job in ok),
@@ -192,8 +218,8 @@ async def drive_pipeline(api_url: str, key: str, workload: Workload) -> ModeResu
     )
 
 
-def run_pipeline(settings: Settings, workload: Workload, api_port: int) -> ModeResult:
-    """Start Redis, the worker and the API with LocalStack, drive them, stop them all."""
+def run_pipeline(settings: Settings, workload: Workload, api_port: int) -> list[ModeResult]:
+    """Start Redis, the worker and the API; drive them one POST per job, then in batches."""
     import redis
 
     from core.apikeys import KeyStore
@@ -231,9 +257,13 @@ def run_pipeline(settings: Settings, workload: Workload, api_port: int) -> ModeR
             time.sleep(0.5)
         client.close()
         startup_s = time.perf_counter() - started
-        result = asyncio.run(drive_pipeline(api_url, key, workload))
-        result.extra["startup_s"] = round(startup_s, 2)
-        return result
+        results = [
+            asyncio.run(drive_pipeline(api_url, key, workload)),
+            asyncio.run(drive_pipeline(api_url, key, workload, batch_size=BATCH_SIZE)),
+        ]
+        for result in results:
+            result.extra["startup_s"] = round(startup_s, 2)
+        return results
     finally:
         stack.stop()
 
@@ -291,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         print("engine alone: starting the engine in this process …", flush=True)
         engine = run_engine_alone(settings, workload)
         print("inferq pipeline: starting redis, worker and API …", flush=True)
-        pipeline = run_pipeline(settings, workload, free_port())
+        pipelines = run_pipeline(settings, workload, free_port())
         succeeded = True
     finally:
         if succeeded:
@@ -299,21 +329,24 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"kept {work_dir} (logs under logs/)", file=sys.stderr)
 
-    ratio = pipeline.tokens_per_s / engine.tokens_per_s if engine.tokens_per_s else float("nan")
-    added_ttft_ms = (percentile(pipeline.ttft_s, 50) - percentile(engine.ttft_s, 50)) * 1000
+    results = [engine, *pipelines]
+    ratios = {p.mode: p.tokens_per_s / engine.tokens_per_s for p in pipelines}
+    added_ttft_ms = {
+        p.mode: (percentile(p.ttft_s, 50) - percentile(engine.ttft_s, 50)) * 1000 for p in pipelines
+    }
     print()
-    print(format_table([engine, pipeline]))
+    print(format_table(results))
     print()
-    print(f"pipeline/engine throughput = {ratio:.2f} (target ≥ {THROUGHPUT_TARGET:.2f})")
-    print(f"added TTFT (p50 pipeline - p50 engine) = {added_ttft_ms:.1f} ms")
+    for pipeline in pipelines:
+        span = pipeline.extra["server_span_s"]
+        print(
+            f"{pipeline.mode}: throughput / engine = {ratios[pipeline.mode]:.2f}"
+            f" (target ≥ {THROUGHPUT_TARGET:.2f}); added TTFT p50 ="
+            f" {added_ttft_ms[pipeline.mode]:.0f} ms; submit phase"
+            f" {pipeline.extra['submit_phase_s']:.2f} s; first created → last finished {span:.2f} s"
+        )
     print("(pipeline TTFT is the API's timings.ttft_s: job creation to first token)")
-    span = pipeline.extra["server_span_s"]
-    print(
-        f"pipeline as recorded: submit phase {pipeline.extra['submit_phase_s']:.2f} s,"
-        f" first job created → last finished {span:.2f} s"
-        f" ({pipeline.tokens / span if span else 0:.0f} tokens/s)"
-    )
-    for result in (engine, pipeline):
+    for result in results:
         if result.succeeded != result.jobs:
             print(f"WARNING: {result.mode}: only {result.succeeded}/{result.jobs} jobs succeeded")
 
@@ -322,9 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     chart = args.out / f"pipeline-{stamp}.png"
     title = (
         f"{workload.jobs} jobs x {workload.max_tokens} tokens on {machine['cpu_count']} CPUs "
-        f"— pipeline/engine = {ratio:.2f}"
+        f"— pipeline/engine = {ratios[pipelines[0].mode]:.2f}"
     )
-    save_chart(engine, pipeline, title, chart)
+    save_chart(results, title, chart)
     report = {
         "created_at": datetime.now(UTC).isoformat(),
         "machine": machine,
@@ -334,10 +367,10 @@ def main(argv: list[str] | None = None) -> int:
             "worker_concurrency": settings.worker_concurrency,
             "enable_prefix_caching": settings.enable_prefix_caching,
         },
-        "modes": [engine.summary(), pipeline.summary()],
-        "throughput_ratio": round(ratio, 4),
+        "modes": [result.summary() for result in results],
+        "throughput_ratio": {mode: round(r, 4) for mode, r in ratios.items()},
         "throughput_target": THROUGHPUT_TARGET,
-        "added_ttft_p50_ms": round(added_ttft_ms, 2),
+        "added_ttft_p50_ms": {mode: round(ms, 2) for mode, ms in added_ttft_ms.items()},
     }
     figures = args.out / f"pipeline-{stamp}.json"
     figures.write_text(json.dumps(report, indent=2) + "\n")

@@ -101,25 +101,24 @@ def format_table(results: list[ModeResult]) -> str:
     return "\n".join(lines)
 
 
-def save_chart(engine: ModeResult, pipeline: ModeResult, title: str, path: Path) -> None:
-    """A PNG with tokens/s bars and TTFT p50/p95 bars for both modes."""
+def save_chart(modes: list[ModeResult], title: str, path: Path) -> None:
+    """A PNG with tokens/s bars and TTFT p50/p95 bars for every mode."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [engine, pipeline]
     labels = [m.mode for m in modes]
-    colors = ["#4c72b0", "#dd8452"]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"][: len(modes)]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     bars = left.bar(labels, [m.tokens_per_s for m in modes], color=colors)
     left.bar_label(bars, fmt="%.0f")
     left.set_ylabel("completion tokens / s")
     left.set_title("Throughput")
-    width = 0.38
+    width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         values = [percentile(mode.ttft_s, q) * 1000 for q in (50, 95)]
-        positions = [x + (i - 0.5) * width for x in range(2)]
+        positions = [x + (i - (len(modes) - 1) / 2) * width for x in range(2)]
         ttft_bars = right.bar(positions, values, width, label=mode.mode, color=colors[i])
         right.bar_label(ttft_bars, fmt="%.0f")
     right.set_xticks(range(2), ["p50", "p95"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, or_, select, update
@@ -94,6 +94,29 @@ class JobStore:
             return self._check_same_request(existing, new), False
         return job, True
 
+    def create_many(self, batch: list[NewJob]) -> list[Job]:
+        """Store many queued jobs in one transaction (no idempotency keys)."""
+        now = utcnow()
+        # A microsecond apart, so listings keep the batch's order.
+        jobs = [
+            Job(
+                id=new.id,
+                owner=new.owner,
+                tier=new.tier,
+                status=JobStatus.QUEUED.value,
+                prompt=new.prompt,
+                sampling_params=new.sampling_params,
+                timeout_s=new.timeout_s,
+                prompt_tokens=new.prompt_tokens,
+                created_at=now + timedelta(microseconds=index),
+                attempt=0,
+            )
+            for index, new in enumerate(batch)
+        ]
+        with self.db.session() as session:
+            session.add_all(jobs)
+        return jobs
+
     @staticmethod
     def _check_same_request(existing: Job, new: NewJob) -> Job:
         if existing.request_hash != new.request_hash:
@@ -163,7 +186,7 @@ class JobStore:
     def start_attempt(self, job_id: str, worker: str) -> Job | None:
         """Mark the job running under a new attempt; None if it is already final (or missing)."""
         with self.db.session() as session:
-            result = session.execute(
+            return session.scalars(
                 update(Job)
                 .where(Job.id == job_id, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
                 .values(
@@ -172,11 +195,9 @@ class JobStore:
                     started_at=utcnow(),
                     worker=worker,
                 )
+                .returning(Job)
                 .execution_options(synchronize_session=False)
-            )
-            if result.rowcount == 0:  # type: ignore[attr-defined]
-                return None
-            return session.get(Job, job_id, populate_existing=True)
+            ).first()
 
     def finish_attempt(self, job_id: str, attempt: int, outcome: JobOutcome) -> bool:
         """Record how `attempt` ended; a stale attempt or an already final job changes nothing."""

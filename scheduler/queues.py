@@ -53,3 +53,12 @@ def celery_app() -> Celery:
 def enqueue_job(app: Celery, job_id: str, tier: Tier | str) -> None:
     """Put a committed job's id on its tier's queue; the message carries nothing else."""
     app.send_task(RUN_JOB_TASK, args=[job_id], queue=keys.queue_name(tier))
+
+
+def enqueue_jobs(app: Celery, jobs: list[tuple[str, Tier | str]]) -> None:
+    """Enqueue many committed jobs (id, tier) over one broker connection."""
+    with app.producer_or_acquire() as producer:
+        for job_id, tier in jobs:
+            app.send_task(
+                RUN_JOB_TASK, args=[job_id], queue=keys.queue_name(tier), producer=producer
+            )

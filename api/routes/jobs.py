@@ -9,8 +9,15 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import PrincipalDep, ServicesDep
-from api.schemas import JobCreate, JobList, JobOut, decode_cursor, encode_cursor
-from api.submission import cancel_job, submit_job
+from api.schemas import (
+    JobBatchCreate,
+    JobCreate,
+    JobList,
+    JobOut,
+    decode_cursor,
+    encode_cursor,
+)
+from api.submission import cancel_job, submit_job, submit_jobs
 from core.errors import InvalidRequest, NotFound
 from core.events import wait_for_final_event
 from core.states import JobStatus
@@ -35,6 +42,15 @@ async def create_job(
         status_code=202 if created else 200,
         headers={"Location": f"/v1/jobs/{job.id}", "Idempotent-Replayed": str(not created).lower()},
     )
+
+
+@router.post("/batch", status_code=202, response_model=JobList)
+async def create_jobs(
+    body: JobBatchCreate, principal: PrincipalDep, services: ServicesDep
+) -> JobList:
+    """Queue many jobs at once (one transaction, one broker connection); all or none."""
+    jobs = await submit_jobs(services, principal, body.jobs)
+    return JobList(data=[JobOut.from_job(job) for job in jobs], next_cursor=None)
 
 
 @router.get("/{job_id}", response_model=JobOut)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from core.db import Database
+from core.jobs import JobStore
 from inferq.local import free_port
 
 INFERQ = [sys.executable, "-m", "inferq"]
@@ -77,10 +79,32 @@ def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_d
 
         flower = httpx.get(f"http://127.0.0.1:{flower_port}/", timeout=10)
         assert flower.status_code in (200, 401)
+
+        # A long job is still generating when the user presses Ctrl-C.
+        long_job = httpx.post(
+            f"http://127.0.0.1:{api_port}/v1/jobs",
+            json={"prompt": "Keep going", "max_tokens": 2000, "ignore_eos": True},
+            headers={"Authorization": f"Bearer {key.group(1)}"},
+        ).json()
+        for _ in range(100):
+            status = httpx.get(
+                f"http://127.0.0.1:{api_port}/v1/jobs/{long_job['id']}",
+                headers={"Authorization": f"Bearer {key.group(1)}"},
+            ).json()["status"]
+            if status == "running":
+                break
+            time.sleep(0.05)
+        assert status == "running"
     finally:
         up.send_signal(signal.SIGINT)
         code = up.wait(timeout=90)
     assert code == 0
+    # The worker's warm shutdown let the running job finish before the engine went down.
+    stored = JobStore(Database(f"sqlite:///{tmp_path / '.inferq' / 'inferq.db'}")).get(
+        long_job["id"]
+    )
+    assert stored is not None
+    assert (stored.status, stored.completion_tokens) == ("succeeded", 2000)
     # Ctrl-C stopped the API too.
     try:
         httpx.get(f"http://127.0.0.1:{api_port}/healthz", timeout=2)

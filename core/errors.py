@@ -91,9 +91,3 @@ class ServiceUnavailable(InferqError):
     status_code = 503
     error_type = "service_unavailable"
     code = "service_unavailable"
-
-
-class EngineError(InferqError):
-    """The engine failed a request; the job ends `failed` with this code."""
-
-    code = "engine_error"

@@ -64,17 +64,6 @@ class EventPublisher:
             client=client,
         )
 
-    def publish_many(self, events: list[tuple[str, str, dict[str, Any]]]) -> None:
-        """Publish several events (job_id, type, fields) in one round trip."""
-        pipe = self.client.pipeline(transaction=False)
-        for job_id, event_type, fields in events:
-            self._script(
-                keys=[keys.job_event_stream(job_id), keys.job_events_channel(job_id)],
-                args=[encode_event(job_id, event_type, **fields), self.ttl_s],
-                client=pipe,
-            )
-        pipe.execute()
-
 
 class AsyncEventPublisher:
     """Publishes job events from the API's event loop."""

@@ -18,7 +18,7 @@ from api.schemas import (
     encode_cursor,
 )
 from api.submission import cancel_job, submit_job, submit_jobs
-from core.errors import InvalidRequest, NotFound
+from core.errors import NotFound
 from core.events import wait_for_final_event
 from core.states import JobStatus
 
@@ -102,7 +102,7 @@ async def delete_job(job_id: str, principal: PrincipalDep, services: ServicesDep
         await wait_for_final_event(services.redis, job_id, CANCEL_WAIT_S)
         refreshed = await run_in_threadpool(services.jobs.get, job_id, principal.owner)
         if refreshed is None:
-            raise InvalidRequest("The job vanished while being cancelled.")
+            raise NotFound(f"No job with id '{job_id}'.", param="job_id")
         job = refreshed
     status_code = 200 if JobStatus(job.status).is_final else 202
     return JSONResponse(JobOut.from_job(job).model_dump(mode="json"), status_code=status_code)

@@ -85,8 +85,8 @@ class JobRunner:
         self.publisher = EventPublisher(redis_client, settings.job_key_ttl_s)
         self.stats = WorkerStats()
         self._release = redis_client.register_script(_RELEASE_SCRIPT)
-        # job id → (engine request id, lease token) for every job this worker is running
-        self._running: dict[str, tuple[str, str]] = {}
+        # job id → engine request id, for every job this worker is running
+        self._running: dict[str, str] = {}
 
     def run(self, job_id: str) -> JobStatus | None:
         """Run the job if it still needs running; returns its final status, or None if skipped."""
@@ -105,7 +105,7 @@ class JobRunner:
         if not claimed:
             return self._skip()  # a live worker is running it
         try:
-            return self._run_claimed(job, token, bool(cancel_requested))
+            return self._run_claimed(job, bool(cancel_requested))
         finally:
             self._release(keys=[keys.job_lease(job_id)], args=[token])
 
@@ -114,7 +114,7 @@ class JobRunner:
             self.stats.skipped += 1
         return None
 
-    def _run_claimed(self, job: Job, token: str, cancel_requested: bool) -> JobStatus | None:
+    def _run_claimed(self, job: Job, cancel_requested: bool) -> JobStatus | None:
         job_id = job.id
         if cancel_requested and self.store.cancel_if_queued(job_id):
             self._publish_final(job_id, JobStatus.CANCELLED)
@@ -138,7 +138,7 @@ class JobRunner:
             self.stats.in_flight += 1
             self.stats.engine_requests += 1
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
-        self._running[job_id] = (request.request_id, token)
+        self._running[job_id] = request.request_id
         log.info(
             "job %s started: attempt %d, tier %s, %d in flight",
             job_id,
@@ -148,18 +148,28 @@ class JobRunner:
         )
         try:
             future = self.engine.submit(request)
-            # Registered before this check, so a cancel is either seen here or by the listener.
-            pipe = self.redis.pipeline(transaction=False)
-            self.publisher.publish(job_id, "status", status=JobStatus.RUNNING.value, client=pipe)
-            pipe.exists(keys.job_cancel_flag(job_id))
-            if pipe.execute()[-1]:
-                self.engine.cancel(request.request_id)
+            self._announce_start(job_id, request.request_id)
             result = future.result()
         finally:
             self._running.pop(job_id, None)
             with self.stats.lock:
                 self.stats.in_flight -= 1
         return self._record(job_id, started.attempt, result)
+
+    def _announce_start(self, job_id: str, request_id: str) -> None:
+        """Publish the running event and catch a cancel that came before the job was registered.
+
+        The job is in `_running` already, so a cancel is seen either here or by the listener.
+        Both are best effort: the generation goes on if Redis is briefly unreachable.
+        """
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            self.publisher.publish(job_id, "status", status=JobStatus.RUNNING.value, client=pipe)
+            pipe.exists(keys.job_cancel_flag(job_id))
+            if pipe.execute()[-1]:
+                self.engine.cancel(request_id)
+        except redis.RedisError:
+            log.warning("job %s: could not announce its start", job_id, exc_info=True)
 
     def _record(self, job_id: str, attempt: int, result: GenerationResult) -> JobStatus | None:
         outcome = JobOutcome(
@@ -188,12 +198,16 @@ class JobRunner:
         if result.status is JobStatus.SUCCEEDED:
             with self.stats.lock:
                 self.stats.succeeded += 1
-        self._publish_final(
-            job_id,
-            result.status,
-            finish_reason=result.finish_reason,
-            error_code=written.error_code,
-        )
+        try:
+            self._publish_final(
+                job_id,
+                result.status,
+                finish_reason=result.finish_reason,
+                error_code=written.error_code,
+            )
+        except redis.RedisError:
+            # The database has the outcome; readers that missed the event find it there.
+            log.warning("job %s: could not publish its final event", job_id, exc_info=True)
         return result.status
 
     def _store_outcome(self, job_id: str, attempt: int, outcome: JobOutcome) -> JobOutcome | None:
@@ -229,8 +243,8 @@ class JobRunner:
 
     def cancel(self, job_id: str) -> bool:
         """Abort a job this worker is running; False if it is not running here."""
-        running = self._running.get(job_id)
-        return running is not None and self.engine.cancel(running[0])
+        request_id = self._running.get(job_id)
+        return request_id is not None and self.engine.cancel(request_id)
 
     def renew_leases(self) -> None:
         """Extend the lease of every job in flight here; the heartbeat calls this."""

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from core.db import Database
 from core.errors import IdempotencyKeyReused
@@ -139,6 +140,11 @@ class JobStore:
             return None
         return job
 
+    def get_many(self, job_ids: list[str]) -> dict[str, Job]:
+        """The jobs that exist among `job_ids`, by id."""
+        with self.db.session() as session:
+            return {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(job_ids)))}
+
     def list_for_owner(
         self,
         owner: str,
@@ -183,47 +189,64 @@ class JobStore:
             error_message="The job waited in the queue past its deadline.",
         )
 
-    def start_attempt(self, job_id: str, worker: str) -> Job | None:
-        """Mark the job running under a new attempt; None if it is already final (or missing)."""
+    def start_attempts(self, job_ids: list[str], worker: str) -> list[Job]:
+        """Start a new attempt of every job among `job_ids` that is not final, in one statement."""
         with self.db.session() as session:
-            return session.scalars(
-                update(Job)
-                .where(Job.id == job_id, Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]))
-                .values(
-                    status=JobStatus.RUNNING.value,
-                    attempt=Job.attempt + 1,
-                    started_at=utcnow(),
-                    worker=worker,
+            return list(
+                session.scalars(
+                    update(Job)
+                    .where(
+                        Job.id.in_(job_ids),
+                        Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]),
+                    )
+                    .values(
+                        status=JobStatus.RUNNING.value,
+                        attempt=Job.attempt + 1,
+                        started_at=utcnow(),
+                        worker=worker,
+                    )
+                    .returning(Job)
+                    .execution_options(synchronize_session=False)
                 )
-                .returning(Job)
-                .execution_options(synchronize_session=False)
-            ).first()
+            )
 
     def finish_attempt(self, job_id: str, attempt: int, outcome: JobOutcome) -> bool:
         """Record how `attempt` ended; a stale attempt or an already final job changes nothing."""
+        return bool(self.finish_attempts([(job_id, attempt, outcome)]))
+
+    def finish_attempts(self, finished: list[tuple[str, int, JobOutcome]]) -> set[str]:
+        """Record several attempts' outcomes in one transaction; returns the ids written."""
+        written = set()
         with self.db.session() as session:
-            result = session.execute(
-                update(Job)
-                .where(
-                    Job.id == job_id,
-                    Job.attempt == attempt,
-                    Job.status == JobStatus.RUNNING.value,
-                )
-                .values(
-                    status=outcome.status.value,
-                    output_text=outcome.text,
-                    finish_reason=outcome.finish_reason,
-                    prompt_tokens=outcome.prompt_tokens,
-                    completion_tokens=outcome.completion_tokens,
-                    cached_prompt_tokens=outcome.cached_prompt_tokens,
-                    first_token_at=outcome.first_token_at,
-                    finished_at=utcnow(),
-                    error_code=outcome.error_code,
-                    error_message=outcome.error_message,
-                )
-                .execution_options(synchronize_session=False)
+            for job_id, attempt, outcome in finished:
+                if self._finish_one(session, job_id, attempt, outcome):
+                    written.add(job_id)
+        return written
+
+    @staticmethod
+    def _finish_one(session: Session, job_id: str, attempt: int, outcome: JobOutcome) -> bool:
+        result = session.execute(
+            update(Job)
+            .where(
+                Job.id == job_id,
+                Job.attempt == attempt,
+                Job.status == JobStatus.RUNNING.value,
             )
-            return bool(result.rowcount)  # type: ignore[attr-defined]
+            .values(
+                status=outcome.status.value,
+                output_text=outcome.text,
+                finish_reason=outcome.finish_reason,
+                prompt_tokens=outcome.prompt_tokens,
+                completion_tokens=outcome.completion_tokens,
+                cached_prompt_tokens=outcome.cached_prompt_tokens,
+                first_token_at=outcome.first_token_at,
+                finished_at=utcnow(),
+                error_code=outcome.error_code,
+                error_message=outcome.error_message,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        return bool(result.rowcount)  # type: ignore[attr-defined]
 
     def _transition(self, job_id: str, sources: set[JobStatus], **values: Any) -> bool:
         with self.db.session() as session:

@@ -1,30 +1,35 @@
-"""Runs one job: claim it, start an attempt, generate in the engine, record the outcome.
+"""Runs jobs: claim them, start attempts, generate in the engine, record the outcomes.
 
-Everything a run touches is handed in (store, engine, Redis, publisher), so unit tests can run
-it against a fake engine. Every step is safe to repeat: a redelivered or duplicated task for a
-job that is final, cancelled or claimed by a live worker does nothing.
+Celery's threads each hand one job id to `JobRunner.run` and wait. Starting is batched: one
+starter thread takes every job waiting to start and claims, checks and starts them together
+(one read, one Redis round trip, one UPDATE … RETURNING, one more round trip to announce
+them), so a burst of jobs costs a few round trips rather than a few per job.
+
+Every step is safe to repeat: a redelivered or duplicated task for a job that is final,
+cancelled or claimed by a live worker does nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 import redis
-from sqlalchemy.exc import DBAPIError, OperationalError
 
 from core import keys
 from core.events import EventPublisher
-from core.jobs import JobOutcome, JobStore
+from core.jobs import JobStore
 from core.models import Job, as_utc
 from core.settings import Settings
-from core.states import JobStatus, final_event_type
+from core.states import JobStatus
 from core.tiers import engine_priority
 from workers.generation import Engine, GenerationRequest, GenerationResult
+from workers.outcomes import OutcomeRecorder
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +39,10 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-
-STORE_RETRIES = 12
-"""Attempts to write a result while the database is unreachable (about a minute in all)."""
-
 STATS_TTL_S = 10
 """A worker whose heartbeat stops drops off the live list after this long."""
+
+MAX_START_BATCH = 256
 
 
 @dataclass
@@ -50,7 +53,6 @@ class WorkerStats:
     peak_in_flight: int = 0
     engine_requests: int = 0
     skipped: int = 0
-    succeeded: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def as_mapping(self) -> dict[str | bytes | bytearray | memoryview | int | float, int]:
@@ -61,8 +63,20 @@ class WorkerStats:
                 "peak_in_flight": self.peak_in_flight,
                 "engine_requests": self.engine_requests,
                 "skipped": self.skipped,
-                "succeeded": self.succeeded,
             }
+
+
+@dataclass
+class _Started:
+    """A job the starter put into the engine."""
+
+    job: Job
+    token: str
+    generation: Future[GenerationResult]
+
+
+# What the starter answers for one job: started, ended without the engine, or skipped (None).
+_StartOutcome = _Started | JobStatus | None
 
 
 class JobRunner:
@@ -85,161 +99,140 @@ class JobRunner:
         self.publisher = EventPublisher(redis_client, settings.job_key_ttl_s)
         self.stats = WorkerStats()
         self._release = redis_client.register_script(_RELEASE_SCRIPT)
+        self.outcomes = OutcomeRecorder(store, self.publisher, self._release)
         # job id → engine request id, for every job this worker is running
         self._running: dict[str, str] = {}
+        self._to_start: queue.SimpleQueue[tuple[str, Future[_StartOutcome]]] = queue.SimpleQueue()
+        self._starter = threading.Thread(
+            target=self._start_loop, name="inferq-starter", daemon=True
+        )
+        self._starter.start()
 
     def run(self, job_id: str) -> JobStatus | None:
         """Run the job if it still needs running; returns its final status, or None if skipped."""
-        job = self.store.get(job_id)
-        if job is None:
+        ticket: Future[_StartOutcome] = Future()
+        self._to_start.put((job_id, ticket))
+        started = ticket.result()
+        if not isinstance(started, _Started):
+            return started
+        job = started.job
+        try:
+            result = started.generation.result()
+        finally:
+            self._running.pop(job.id, None)
+            with self.stats.lock:
+                self.stats.in_flight -= 1
+        return self.outcomes.record(job.id, job.attempt, result, started.token)
+
+    def _start_loop(self) -> None:
+        while True:
+            batch = [self._to_start.get()]
+            while len(batch) < MAX_START_BATCH:
+                try:
+                    batch.append(self._to_start.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                answers = self._start_batch([job_id for job_id, _ in batch])
+            except Exception as exc:  # every job of the batch hears about it
+                log.exception("could not start a batch of %d jobs", len(batch))
+                for _, ticket in batch:
+                    ticket.set_exception(exc)
+                continue
+            for job_id, ticket in batch:
+                ticket.set_result(answers.get(job_id))
+
+    def _start_batch(self, job_ids: list[str]) -> dict[str, _StartOutcome]:
+        """Claim, check and start the given jobs; the answer for each id (absent: skipped)."""
+        ids = list(dict.fromkeys(job_ids))  # a duplicate in one batch is skipped like any other
+        jobs = self.store.get_many(ids)
+        for job_id in set(ids) - set(jobs):
             log.warning("job %s is not in the database; dropping its message", job_id)
-            return self._skip()
-        if JobStatus(job.status).is_final:
-            return self._skip()
-        token = f"{self.worker_name}:{time.monotonic_ns()}"
+        live = [i for i in ids if i in jobs and not JobStatus(jobs[i].status).is_final]
+        answers: dict[str, _StartOutcome] = {}
+        tokens = {job_id: f"{self.worker_name}:{time.monotonic_ns()}" for job_id in live}
         lease_ms = int(self.settings.lease_ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(keys.job_lease(job_id), token, nx=True, px=lease_ms)
-        pipe.exists(keys.job_cancel_flag(job_id))
-        claimed, cancel_requested = pipe.execute()
-        if not claimed:
-            return self._skip()  # a live worker is running it
-        try:
-            return self._run_claimed(job, bool(cancel_requested))
-        finally:
-            self._release(keys=[keys.job_lease(job_id)], args=[token])
-
-    def _skip(self) -> JobStatus | None:
+        for job_id in live:
+            pipe.set(keys.job_lease(job_id), tokens[job_id], nx=True, px=lease_ms)
+            pipe.exists(keys.job_cancel_flag(job_id))
+        replies = pipe.execute()
+        to_start = []
+        for index, job_id in enumerate(live):
+            claimed, cancel_requested = replies[2 * index], replies[2 * index + 1]
+            if not claimed:
+                continue  # a live worker is running it
+            ended = self._end_without_engine(jobs[job_id], bool(cancel_requested))
+            if ended is not None:
+                answers[job_id] = ended
+                self._release_lease(job_id, tokens[job_id])
+            else:
+                to_start.append(job_id)
+        started = {job.id: job for job in self.store.start_attempts(to_start, self.worker_name)}
+        for job_id in to_start:
+            if job_id not in started:  # ended meanwhile
+                self._release_lease(job_id, tokens[job_id])
+        for job in started.values():
+            answers[job.id] = _Started(job, tokens[job.id], self._submit(job))
+        self._announce_starts(list(started))
         with self.stats.lock:
-            self.stats.skipped += 1
+            self.stats.skipped += len(ids) - len(answers) + (len(job_ids) - len(ids))
+        return answers
+
+    def _end_without_engine(self, job: Job, cancel_requested: bool) -> JobStatus | None:
+        """Cancel or expire a claimed job that must not run; None if it should start."""
+        if cancel_requested and self.store.cancel_if_queued(job.id):
+            self.outcomes.publish_final(job.id, JobStatus.CANCELLED)
+            return JobStatus.CANCELLED
+        if _remaining_s(job) <= 0 and self.store.expire_if_queued(job.id):
+            self.outcomes.publish_final(job.id, JobStatus.TIMED_OUT, error_code="queue_timeout")
+            return JobStatus.TIMED_OUT
         return None
 
-    def _run_claimed(self, job: Job, cancel_requested: bool) -> JobStatus | None:
-        job_id = job.id
-        if cancel_requested and self.store.cancel_if_queued(job_id):
-            self._publish_final(job_id, JobStatus.CANCELLED)
-            return JobStatus.CANCELLED
-        remaining_s = job.timeout_s - _age_s(job.created_at)
-        if remaining_s <= 0 and self.store.expire_if_queued(job_id):
-            self._publish_final(job_id, JobStatus.TIMED_OUT, error_code="queue_timeout")
-            return JobStatus.TIMED_OUT
-        started = self.store.start_attempt(job_id, self.worker_name)
-        if started is None:
-            return self._skip()
-
+    def _submit(self, job: Job) -> Future[GenerationResult]:
         request = GenerationRequest(
-            request_id=f"{job_id}-{started.attempt}",
-            prompt=started.prompt,
-            sampling=dict(started.sampling_params),
-            priority=engine_priority(self.settings.tier_policy(started.tier)),
-            timeout_s=max(remaining_s, 0.001),
+            request_id=f"{job.id}-{job.attempt}",
+            prompt=job.prompt,
+            sampling=dict(job.sampling_params),
+            priority=engine_priority(self.settings.tier_policy(job.tier)),
+            timeout_s=max(_remaining_s(job), 0.001),
         )
         with self.stats.lock:
             self.stats.in_flight += 1
             self.stats.engine_requests += 1
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
-        self._running[job_id] = request.request_id
-        log.info(
-            "job %s started: attempt %d, tier %s, %d in flight",
-            job_id,
-            started.attempt,
-            started.tier,
-            self.stats.in_flight,
-        )
-        try:
-            future = self.engine.submit(request)
-            self._announce_start(job_id, request.request_id)
-            result = future.result()
-        finally:
-            self._running.pop(job_id, None)
-            with self.stats.lock:
-                self.stats.in_flight -= 1
-        return self._record(job_id, started.attempt, result)
+        self._running[job.id] = request.request_id
+        log.info("job %s started: attempt %d, tier %s", job.id, job.attempt, job.tier)
+        return self.engine.submit(request)
 
-    def _announce_start(self, job_id: str, request_id: str) -> None:
-        """Publish the running event and catch a cancel that came before the job was registered.
+    def _announce_starts(self, job_ids: list[str]) -> None:
+        """Publish the running events and catch cancels that came before the jobs were registered.
 
-        The job is in `_running` already, so a cancel is seen either here or by the listener.
-        Both are best effort: the generation goes on if Redis is briefly unreachable.
+        The jobs are in `_running` already, so a cancel is seen either here or by the listener.
+        Both are best effort: generation goes on if Redis is briefly unreachable.
         """
+        if not job_ids:
+            return
         try:
             pipe = self.redis.pipeline(transaction=False)
-            self.publisher.publish(job_id, "status", status=JobStatus.RUNNING.value, client=pipe)
-            pipe.exists(keys.job_cancel_flag(job_id))
-            if pipe.execute()[-1]:
-                self.engine.cancel(request_id)
-        except redis.RedisError:
-            log.warning("job %s: could not announce its start", job_id, exc_info=True)
-
-    def _record(self, job_id: str, attempt: int, result: GenerationResult) -> JobStatus | None:
-        outcome = JobOutcome(
-            status=result.status,
-            text=result.text,
-            finish_reason=result.finish_reason,
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=result.completion_tokens,
-            cached_prompt_tokens=result.cached_prompt_tokens,
-            first_token_at=result.first_token_at,
-            error_code=result.error_code,
-            error_message=result.error_message,
-        )
-        written = self._store_outcome(job_id, attempt, outcome)
-        if written is None:
-            log.info("job %s attempt %d was superseded; its result is dropped", job_id, attempt)
-            return None
-        result.status = written.status
-        log.info(
-            "job %s %s: %d tokens, finish %s",
-            job_id,
-            result.status.value,
-            result.completion_tokens,
-            result.finish_reason,
-        )
-        if result.status is JobStatus.SUCCEEDED:
-            with self.stats.lock:
-                self.stats.succeeded += 1
-        try:
-            self._publish_final(
-                job_id,
-                result.status,
-                finish_reason=result.finish_reason,
-                error_code=written.error_code,
-            )
-        except redis.RedisError:
-            # The database has the outcome; readers that missed the event find it there.
-            log.warning("job %s: could not publish its final event", job_id, exc_info=True)
-        return result.status
-
-    def _store_outcome(self, job_id: str, attempt: int, outcome: JobOutcome) -> JobOutcome | None:
-        """Write the outcome, retrying while the database is unreachable.
-
-        A result the database refuses outright is replaced by a `failed` outcome saying so, so
-        the job still ends in exactly one final state. None if the attempt was superseded.
-        """
-        delay_s = 0.2
-        for _ in range(STORE_RETRIES):
-            try:
-                if self.store.finish_attempt(job_id, attempt, outcome):
-                    return outcome
-                return None
-            except DBAPIError as exc:
-                if exc.connection_invalidated or isinstance(exc, OperationalError):
-                    log.warning("job %s: database unavailable, retrying: %s", job_id, exc)
-                    time.sleep(delay_s)
-                    delay_s = min(delay_s * 2, 5.0)
-                    continue
-                log.exception("job %s: the database refused its result", job_id)
-                outcome = replace(
-                    outcome,
-                    status=JobStatus.FAILED,
-                    text="",
-                    error_code="result_not_stored",
-                    error_message=f"The result could not be stored: {type(exc.orig).__name__}.",
+            for job_id in job_ids:
+                self.publisher.publish(
+                    job_id, "status", status=JobStatus.RUNNING.value, client=pipe
                 )
-        raise RuntimeError(f"job {job_id}: the database stayed unavailable")
+                pipe.exists(keys.job_cancel_flag(job_id))
+            replies = pipe.execute()
+        except redis.RedisError:
+            log.warning("could not announce %d job starts", len(job_ids), exc_info=True)
+            return
+        for index, job_id in enumerate(job_ids):
+            if replies[2 * index + 1]:
+                self.cancel(job_id)
 
-    def _publish_final(self, job_id: str, status: JobStatus, **fields: Any) -> None:
-        self.publisher.publish(job_id, final_event_type(status), status=status.value, **fields)
+    def _release_lease(self, job_id: str, token: str) -> None:
+        try:
+            self._release(keys=[keys.job_lease(job_id)], args=[token])
+        except redis.RedisError:  # it lapses by itself
+            log.warning("job %s: could not release its lease", job_id, exc_info=True)
 
     def cancel(self, job_id: str) -> bool:
         """Abort a job this worker is running; False if it is not running here."""
@@ -264,5 +257,6 @@ class JobRunner:
         pipe.execute()
 
 
-def _age_s(created_at: datetime) -> float:
-    return (datetime.now(UTC) - as_utc(created_at)).total_seconds()
+def _remaining_s(job: Job) -> float:
+    """Seconds left before the job's deadline (negative once it has passed)."""
+    return job.timeout_s - (datetime.now(UTC) - as_utc(job.created_at)).total_seconds()

@@ -1,0 +1,173 @@
+"""Recording how runs ended: the database first, then the final events, in batches.
+
+Jobs that finish together (a batch in the engine usually does) are written in one transaction
+and announced in one Redis round trip by a recorder thread, while their Celery threads wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+import redis
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from core import keys
+from core.events import EventPublisher
+from core.jobs import JobOutcome, JobStore
+from core.states import JobStatus, final_event_type
+from workers.generation import GenerationResult
+
+log = logging.getLogger(__name__)
+
+STORE_RETRIES = 12
+"""Attempts to write a result while the database is unreachable (about a minute in all)."""
+
+
+MAX_BATCH = 256
+
+
+@dataclass
+class _Finished:
+    job_id: str
+    attempt: int
+    outcome: JobOutcome
+    lease_token: str
+    ticket: Future[JobStatus | None]
+
+
+class OutcomeRecorder:
+    """Writes attempts' outcomes, fenced by attempt number, announces them, frees their leases."""
+
+    def __init__(
+        self, store: JobStore, publisher: EventPublisher, release_lease: redis.commands.core.Script
+    ) -> None:
+        self.store = store
+        self.publisher = publisher
+        self.release_lease = release_lease
+        self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="inferq-recorder", daemon=True).start()
+
+    def record(
+        self, job_id: str, attempt: int, result: GenerationResult, lease_token: str
+    ) -> JobStatus | None:
+        """Store and publish the outcome, release the lease; None if the attempt was superseded."""
+        ticket: Future[JobStatus | None] = Future()
+        self._finished.put(_Finished(job_id, attempt, _outcome(result), lease_token, ticket))
+        return ticket.result()
+
+    def _loop(self) -> None:
+        while True:
+            batch = [self._finished.get()]
+            while len(batch) < MAX_BATCH:
+                try:
+                    batch.append(self._finished.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                statuses = self._record_batch(batch)
+            except Exception as exc:
+                log.exception("could not record %d outcomes", len(batch))
+                for item in batch:
+                    item.ticket.set_exception(exc)
+                continue
+            for item in batch:
+                item.ticket.set_result(statuses.get(item.job_id))
+
+    def _record_batch(self, batch: list[_Finished]) -> dict[str, JobStatus]:
+        try:
+            ids = self.store.finish_attempts([(i.job_id, i.attempt, i.outcome) for i in batch])
+            written = {i.job_id: i.outcome for i in batch if i.job_id in ids}
+        except DBAPIError:
+            # One refused row, or an outage, fails the whole transaction: go one by one.
+            written = {}
+            for item in batch:
+                outcome = self._store(item.job_id, item.attempt, item.outcome)
+                if outcome is not None:
+                    written[item.job_id] = outcome
+        try:
+            pipe = self.publisher.client.pipeline(transaction=False)
+            for job_id, outcome in written.items():
+                self.publisher.publish(
+                    job_id,
+                    final_event_type(outcome.status),
+                    client=pipe,
+                    status=outcome.status.value,
+                    finish_reason=outcome.finish_reason,
+                    error_code=outcome.error_code,
+                )
+            for item in batch:
+                self.release_lease(
+                    keys=[keys.job_lease(item.job_id)], args=[item.lease_token], client=pipe
+                )
+            pipe.execute()
+        except redis.RedisError:
+            # The database has the outcomes; readers that missed an event find it there.
+            log.warning("could not publish %d final events", len(written), exc_info=True)
+        for item in batch:
+            outcome = written.get(item.job_id)
+            if outcome is None:
+                log.info("job %s attempt %d was superseded", item.job_id, item.attempt)
+            else:
+                log.info(
+                    "job %s %s: %d tokens, finish %s",
+                    item.job_id,
+                    outcome.status.value,
+                    outcome.completion_tokens,
+                    outcome.finish_reason,
+                )
+        return {job_id: outcome.status for job_id, outcome in written.items()}
+
+    def publish_final(self, job_id: str, status: JobStatus, **fields: Any) -> None:
+        """The job's last event; the database already holds its state, so this is best effort."""
+        try:
+            self.publisher.publish(job_id, final_event_type(status), status=status.value, **fields)
+        except redis.RedisError:
+            log.warning("job %s: could not publish its final event", job_id, exc_info=True)
+
+    def _store(self, job_id: str, attempt: int, outcome: JobOutcome) -> JobOutcome | None:
+        """Write the outcome, retrying while the database is unreachable.
+
+        A result the database refuses outright is replaced by a `failed` outcome saying so, so
+        the job still ends in exactly one final state. None if the attempt was superseded.
+        """
+        delay_s = 0.2
+        for _ in range(STORE_RETRIES):
+            try:
+                if self.store.finish_attempt(job_id, attempt, outcome):
+                    return outcome
+                return None
+            except DBAPIError as exc:
+                if exc.connection_invalidated or isinstance(exc, OperationalError):
+                    log.warning("job %s: database unavailable, retrying: %s", job_id, exc)
+                    time.sleep(delay_s)
+                    delay_s = min(delay_s * 2, 5.0)
+                    continue
+                log.exception("job %s: the database refused its result", job_id)
+                outcome = replace(
+                    outcome,
+                    status=JobStatus.FAILED,
+                    text="",
+                    error_code="result_not_stored",
+                    error_message=f"The result could not be stored: {type(exc.orig).__name__}.",
+                )
+        raise RuntimeError(f"job {job_id}: the database stayed unavailable")
+
+
+def _outcome(result: GenerationResult) -> JobOutcome:
+    return JobOutcome(
+        status=result.status,
+        text=result.text,
+        finish_reason=result.finish_reason,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        cached_prompt_tokens=result.cached_prompt_tokens,
+        first_token_at=result.first_token_at,
+        error_code=result.error_code,
+        error_message=result.error_message,
+    )

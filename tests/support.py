@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -31,6 +32,7 @@ POSTGRES_ADMIN_URL = os.environ.get(
     "INFERQ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
 WORKER_CONCURRENCY = 32
+BLOCKER_TOKENS = 4000
 
 
 class ServiceMissing(RuntimeError):
@@ -110,6 +112,7 @@ class Stack:
 
     def __post_init__(self) -> None:
         self.redis = redis.Redis.from_url(self.redis_url)
+        self._clients: dict[str, httpx.Client] = {}
 
     @property
     def db(self) -> Database:
@@ -125,6 +128,20 @@ class Stack:
         """An HTTP client on the API, authenticated with `key`."""
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.Client(base_url=self.api_url, headers=headers, timeout=120, **kwargs)
+
+    def submit(self, key: str, **body: Any) -> dict[str, Any]:
+        """POST a job and return it; asserts 202.
+
+        Reuses one client per key: making an httpx client costs tens of milliseconds of CPU,
+        which tests that submit dozens of jobs to a busy machine cannot afford.
+        """
+        client = self._clients.get(key)
+        if client is None:
+            client = self._clients[key] = self.client(key)
+        response = client.post("/v1/jobs", json=body)
+        assert response.status_code == 202, response.text
+        job: dict[str, Any] = response.json()
+        return job
 
     def queue_lengths(self) -> dict[str, int]:
         """Messages waiting in each tier queue."""
@@ -161,6 +178,8 @@ def start_stack(tmp: Path, redis_url: str, database_url: str, model_dir: Path) -
         INFERQ_DATABASE_URL=database_url,
         INFERQ_MODEL=str(model_dir),
         INFERQ_MAX_MODEL_LEN="4096",
+        # Long premium jobs keep the worker busy while a test builds a backlog behind them.
+        INFERQ_TIERS=json.dumps({"premium": {"max_tokens": BLOCKER_TOKENS}}),
         INFERQ_LOG_LEVEL="INFO",
     )
     return local

@@ -10,16 +10,12 @@ from typing import Any
 from core.settings import Settings
 from core.tiers import Tier
 from scheduler.queues import enqueue_job, make_celery_app
-from tests.support import WORKER_CONCURRENCY, Stack, wait_final
+from tests.support import BLOCKER_TOKENS, WORKER_CONCURRENCY, Stack, wait_final
 from workers.localmodel import build_tokenizer_json
 
 
 def _submit(stack: Stack, key: str, **body: Any) -> dict[str, Any]:
-    with stack.client(key) as client:
-        response = client.post("/v1/jobs", json=body)
-    assert response.status_code == 202, response.text
-    job: dict[str, Any] = response.json()
-    return job
+    return stack.submit(key, **body)
 
 
 def _interval(job: dict[str, Any]) -> tuple[datetime, datetime]:
@@ -86,9 +82,6 @@ def test_64_jobs_run_concurrently_in_the_engine(stack: Stack) -> None:
     assert stack.worker_stats()["peak_in_flight"] >= 16
 
 
-BLOCKER_TOKENS = 2000
-
-
 def _fill_worker(stack: Stack, key: str) -> list[dict[str, Any]]:
     """Occupy every slot of the worker with long jobs (the caller cancels them)."""
     return [
@@ -119,7 +112,8 @@ def test_premium_job_overtakes_a_backlog_of_basic_jobs(stack: Stack) -> None:
 
     with stack.client(premium_key) as client:
         # The backlog is in place while the worker is still full: free its slots now.
-        assert client.get(f"/v1/jobs/{blockers[-1]['id']}").json()["status"] == "running"
+        statuses = {client.get(f"/v1/jobs/{job['id']}").json()["status"] for job in blockers}
+        assert statuses == {"running"}, "the blockers ended before the backlog was in place"
         _cancel_all(client, blockers)
         premium_done = wait_final(client, premium["id"])
     with stack.client(basic_key) as client:

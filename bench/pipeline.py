@@ -220,12 +220,9 @@ async def drive_pipeline(
 
 def run_pipeline(settings: Settings, workload: Workload, api_port: int) -> list[ModeResult]:
     """Start Redis, the worker and the API; drive them one POST per job, then in batches."""
-    import redis
-
     from core.apikeys import KeyStore
     from core.db import Database
     from core.tiers import Tier
-    from core.workerinfo import live_workers
     from inferq.local import LocalStack
     from migrations import upgrade
 
@@ -248,14 +245,8 @@ def run_pipeline(settings: Settings, workload: Workload, api_port: int) -> list[
         api_url = f"http://127.0.0.1:{api_port}"
         if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):
             raise SystemExit("the API did not become ready within 120 s")
-        client = redis.Redis.from_url(redis_url)
-        deadline = time.monotonic() + 300
-        while not live_workers(client):
-            stack.check_alive()
-            if time.monotonic() > deadline:
-                raise SystemExit("the worker did not start within 300 s")
-            time.sleep(0.5)
-        client.close()
+        if not stack.wait_worker(redis_url, timeout_s=300):
+            raise SystemExit("the worker did not start within 300 s")
         startup_s = time.perf_counter() - started
         results = [
             asyncio.run(drive_pipeline(api_url, key, workload)),

@@ -36,6 +36,23 @@ class NewJob:
     request_hash: str | None = None
     id: str = field(default_factory=new_job_id)
 
+    def row(self, created_at: datetime) -> Job:
+        """The queued job's database row."""
+        return Job(
+            id=self.id,
+            owner=self.owner,
+            tier=self.tier,
+            status=JobStatus.QUEUED.value,
+            prompt=self.prompt,
+            sampling_params=self.sampling_params,
+            idempotency_key=self.idempotency_key,
+            request_hash=self.request_hash,
+            timeout_s=self.timeout_s,
+            prompt_tokens=self.prompt_tokens,
+            created_at=created_at,
+            attempt=0,
+        )
+
 
 @dataclass(frozen=True)
 class JobOutcome:
@@ -70,20 +87,7 @@ class JobStore:
             existing = self._by_idempotency_key(new.owner, new.idempotency_key)
             if existing is not None:
                 return self._check_same_request(existing, new), False
-        job = Job(
-            id=new.id,
-            owner=new.owner,
-            tier=new.tier,
-            status=JobStatus.QUEUED.value,
-            prompt=new.prompt,
-            sampling_params=new.sampling_params,
-            idempotency_key=new.idempotency_key,
-            request_hash=new.request_hash,
-            timeout_s=new.timeout_s,
-            prompt_tokens=new.prompt_tokens,
-            created_at=utcnow(),
-            attempt=0,
-        )
+        job = new.row(utcnow())
         try:
             with self.db.session() as session:
                 session.add(job)
@@ -99,21 +103,7 @@ class JobStore:
         """Store many queued jobs in one transaction (no idempotency keys)."""
         now = utcnow()
         # A microsecond apart, so listings keep the batch's order.
-        jobs = [
-            Job(
-                id=new.id,
-                owner=new.owner,
-                tier=new.tier,
-                status=JobStatus.QUEUED.value,
-                prompt=new.prompt,
-                sampling_params=new.sampling_params,
-                timeout_s=new.timeout_s,
-                prompt_tokens=new.prompt_tokens,
-                created_at=now + timedelta(microseconds=index),
-                attempt=0,
-            )
-            for index, new in enumerate(batch)
-        ]
+        jobs = [new.row(now + timedelta(microseconds=index)) for index, new in enumerate(batch)]
         with self.db.session() as session:
             session.add_all(jobs)
         return jobs

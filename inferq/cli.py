@@ -226,7 +226,7 @@ def up(port: int, flower_port: int) -> None:
         api_url = f"http://127.0.0.1:{port}"
         if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):
             raise SystemExit("the API did not become ready")
-        if not _wait_worker(redis_url, stack, timeout_s=300):
+        if not stack.wait_worker(redis_url, timeout_s=300):
             raise SystemExit("the worker did not start")
         click.echo(
             f"\ninferq is up.\n  API     {api_url}  (docs: {api_url}/docs)\n"
@@ -241,23 +241,6 @@ def up(port: int, flower_port: int) -> None:
         click.echo("\nstopping …")
     finally:
         stack.stop()
-
-
-def _wait_worker(redis_url: str, stack: object, timeout_s: float) -> bool:
-    import redis
-
-    from core.workerinfo import live_workers
-    from inferq.local import LocalStack
-
-    assert isinstance(stack, LocalStack)
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stack.check_alive()
-        if live_workers(client):
-            return True
-        time.sleep(0.5)
-    return False
 
 
 def _redacted(url: str) -> str:

@@ -34,6 +34,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def redis_server_command(binary: str, port: int, data_dir: Path) -> list[str]:
+    """A loopback-only, non-persistent redis-server on `port`."""
+    return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(data_dir)]  # fmt: skip
+
+
 @dataclass
 class LocalStack:
     """Child processes started by `inferq up`, stopped in reverse order."""
@@ -59,20 +65,7 @@ class LocalStack:
         port = free_port()
         data = self.settings.data_dir.resolve() / "redis"
         data.mkdir(parents=True, exist_ok=True)
-        command = [
-            server,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(data),
-        ]
-        self.start("redis", command)
+        self.start("redis", redis_server_command(server, port, data))
         url = f"redis://127.0.0.1:{port}/0"
         for _ in range(50):
             if redis_reachable(url):
@@ -105,6 +98,22 @@ class LocalStack:
                 pass
             time.sleep(0.5)
         return False
+
+    def wait_worker(self, redis_url: str, timeout_s: float) -> bool:
+        """Wait until a worker's heartbeat shows in Redis, or a child dies."""
+        from core.workerinfo import live_workers
+
+        client = redis.Redis.from_url(redis_url)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                self.check_alive()
+                if live_workers(client):
+                    return True
+                time.sleep(0.5)
+            return False
+        finally:
+            client.close()
 
     def check_alive(self) -> None:
         """Exit if a child has died."""

@@ -24,7 +24,7 @@ from core.db import Database
 from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.workerinfo import live_workers
-from inferq.local import LocalStack, free_port, redis_reachable
+from inferq.local import LocalStack, free_port, redis_reachable, redis_server_command
 from migrations import upgrade
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -51,22 +51,7 @@ def redis_server(tmp: Path) -> Iterator[str]:
         yield url
         return
     port = free_port()
-    process = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
+    process = subprocess.Popen(redis_server_command(binary, port, tmp), stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
     try:
         for _ in range(100):
@@ -189,13 +174,8 @@ def wait_ready(stack: Stack, timeout_s: float = 300) -> None:
     """Wait until the API is ready and the worker's heartbeat is up."""
     if not stack.local.wait_http(f"{stack.api_url}/readyz", timeout_s=60):
         raise ServiceMissing("the API did not become ready")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stack.local.check_alive()
-        if live_workers(stack.redis):
-            return
-        time.sleep(0.5)
-    raise ServiceMissing("the worker did not start")
+    if not stack.local.wait_worker(stack.redis_url, timeout_s):
+        raise ServiceMissing("the worker did not start")
 
 
 def wait_final(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict[str, Any]:

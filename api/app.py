@@ -22,6 +22,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         services = Services.build(settings)
+        services.submissions.start()
         app.state.services = services
         try:
             yield

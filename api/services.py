@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from celery import Celery
 
+from api.batcher import SubmissionBatcher
 from core.apikeys import KeyStore, Principal
 from core.db import Database
 from core.events import AsyncEventPublisher
@@ -58,27 +59,32 @@ class Services:
     celery: Celery
     model: ModelInfo
     principals: PrincipalCache
+    submissions: SubmissionBatcher
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
         """Connect to the configured database, Redis and model files."""
         db = Database(settings.sqlalchemy_url)
+        jobs = JobStore(db)
+        celery = make_celery_app(settings)
         client = aioredis.Redis.from_url(
             settings.redis_url, socket_connect_timeout=2, socket_timeout=10
         )
         return cls(
             settings=settings,
             db=db,
-            jobs=JobStore(db),
+            jobs=jobs,
             keys=KeyStore(db),
             redis=client,
             events=AsyncEventPublisher(client, settings.job_key_ttl_s),
-            celery=make_celery_app(settings),
+            celery=celery,
             model=load_model_info(settings.model_path, settings.max_model_len),
             principals=PrincipalCache(settings.auth_cache_ttl_s),
+            submissions=SubmissionBatcher(jobs, celery),
         )
 
     async def close(self) -> None:
-        """Release connections."""
+        """Stop taking submissions and release connections."""
+        await self.submissions.stop()
         await self.redis.aclose()
         self.celery.close()

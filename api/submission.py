@@ -62,9 +62,13 @@ async def submit_job(
     """Validate, store, then enqueue; returns the job and whether it is new.
 
     The row is committed before the id is enqueued, so a worker never sees an id it cannot load.
-    Tokenizing, storing and enqueueing block, so they share one trip to the thread pool.
+    Without an idempotency key the job is stored in a group commit with the jobs submitted at
+    the same moment (see `api.batcher`).
     """
-    return await run_in_threadpool(_submit_blocking, services, principal, body, idempotency_key)
+    if idempotency_key is not None:
+        return await run_in_threadpool(_submit_blocking, services, principal, body, idempotency_key)
+    new = await run_in_threadpool(new_job, services, principal, body, None)
+    return await services.submissions.submit(new), True
 
 
 def _submit_blocking(

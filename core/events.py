@@ -1,7 +1,7 @@
 """A job's events: numbered, kept in a per-job stream and published live, in one atomic step.
 
 Each event is a JSON object with `seq` (1, 2, ...), `job_id` and `type`: `status` (a state
-change), `delta` (new text), or one final type — `done`, `error`, `cancelled`, `timed_out`.
+change) or one final type — `done`, `error`, `cancelled`, `timed_out` — carrying `status`.
 """
 
 from __future__ import annotations

@@ -140,7 +140,8 @@ class JobRunner:
                     ticket.set_exception(exc)
                 continue
             for job_id, ticket in batch:
-                ticket.set_result(answers.get(job_id))
+                # A duplicate message in the same batch is skipped: only the first one runs.
+                ticket.set_result(answers.pop(job_id, None))
 
     def _start_batch(self, job_ids: list[str]) -> dict[str, _StartOutcome]:
         """Claim, check and start the given jobs; the answer for each id (absent: skipped)."""

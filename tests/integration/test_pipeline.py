@@ -67,8 +67,9 @@ def test_64_jobs_run_concurrently_in_the_engine(stack: Stack) -> None:
     with ThreadPoolExecutor(16) as pool:
         jobs = list(
             pool.map(
+                # Long enough that all 64 are posted well before the first one ends.
                 lambda i: _submit(
-                    stack, key, prompt=f"Job number {i}.", max_tokens=128, ignore_eos=True
+                    stack, key, prompt=f"Job number {i}.", max_tokens=1000, ignore_eos=True
                 ),
                 range(64),
             )
@@ -76,7 +77,7 @@ def test_64_jobs_run_concurrently_in_the_engine(stack: Stack) -> None:
     with stack.client(key) as client:
         finished = [wait_final(client, job["id"]) for job in jobs]
     assert all(job["status"] == "succeeded" for job in finished)
-    assert all(job["usage"]["completion_tokens"] == 128 for job in finished)
+    assert all(job["usage"]["completion_tokens"] == 1000 for job in finished)
     # Seen from the jobs' own timestamps, and from the worker's own count.
     assert _max_overlap(finished) >= 16
     assert stack.worker_stats()["peak_in_flight"] >= 16

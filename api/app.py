@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from api.errors import install_error_handlers
 from api.limits import BodySizeLimit
-from api.routes import health, jobs
+from api.routes import health, jobs, streams
 from api.services import Services
 from core.settings import Settings, get_settings
 
@@ -39,6 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(streams.router)
     logging.getLogger("inferq").setLevel(settings.log_level)
     return app
 

@@ -4,36 +4,40 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import HTTPConnection
 
 from api.services import Services
 from core.apikeys import Principal, hash_key
 from core.errors import AuthenticationFailed
 
 
-def get_services(request: Request) -> Services:
+def get_services(connection: HTTPConnection) -> Services:
     """The services built at start-up."""
-    services: Services = request.app.state.services
+    services: Services = connection.app.state.services
     return services
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-def _presented_key(request: Request) -> str | None:
-    authorization = request.headers.get("authorization")
+def _presented_key(connection: HTTPConnection) -> str | None:
+    authorization = connection.headers.get("authorization")
     if authorization:
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() == "bearer" and token.strip():
             return token.strip()
         return None
-    return request.headers.get("x-api-key") or None
+    return connection.headers.get("x-api-key") or None
 
 
-async def get_principal(request: Request, services: ServicesDep) -> Principal:
-    """Who is calling: a live key's owner and tier; 401 (one body for all failures) otherwise."""
-    key = _presented_key(request)
+async def get_principal(connection: HTTPConnection, services: ServicesDep) -> Principal:
+    """Who is calling: a live key's owner and tier; 401 (one body for all failures) otherwise.
+
+    Works for HTTP requests and WebSocket handshakes alike.
+    """
+    key = _presented_key(connection)
     if key is None:
         raise AuthenticationFailed()
     key_hash = hash_key(key)

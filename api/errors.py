@@ -47,7 +47,8 @@ def error_response(
     return JSONResponse(body, status, headers=headers)
 
 
-def _describe(error: dict[str, Any]) -> tuple[str, str]:
+def describe_validation_error(error: dict[str, Any]) -> tuple[str, str]:
+    """The parameter a pydantic error is about, and a message naming it."""
     loc = [str(part) for part in error.get("loc", ()) if part not in ("body", "query", "path")]
     param = ".".join(loc) or "body"
     if error.get("type") == "extra_forbidden":
@@ -71,7 +72,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = list(exc.errors())
-        param, message = _describe(errors[0]) if errors else ("body", "Invalid request.")
+        param, message = (
+            describe_validation_error(errors[0]) if errors else ("body", "Invalid request.")
+        )
         return error_response(400, "invalid_request_error", "invalid_request", message, param)
 
     @app.exception_handler(StarletteHTTPException)

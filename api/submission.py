@@ -118,12 +118,14 @@ def new_job(
     if idempotency_key is not None:
         canonical = json.dumps(body.model_dump(), sort_keys=True)
         request_hash = hashlib.sha256(canonical.encode()).hexdigest()
+    timeout_s = body.timeout_s or policy.timeout_s
     return NewJob(
         owner=principal.owner,
         tier=principal.tier.value,
         prompt=body.prompt,
         sampling_params=body.sampling_params(max_tokens),
-        timeout_s=body.timeout_s or policy.timeout_s,
+        timeout_s=timeout_s,
+        queue_timeout_s=policy.queue_limit_s(timeout_s),
         prompt_tokens=prompt_tokens,
         idempotency_key=idempotency_key,
         request_hash=request_hash,

@@ -1,7 +1,16 @@
 """A job's events: numbered, kept in a per-job stream and published live, in one atomic step.
 
-Each event is a JSON object with `seq` (1, 2, ...), `job_id` and `type`: `status` (a state
-change) or one final type — `done`, `error`, `cancelled`, `timed_out` — carrying `status`.
+Each event is a JSON object with `seq` (1, 2, ...), `job_id` and `type`:
+
+- `status`: a state change (`status`; `attempt` when a run starts). A `running` event with a
+  higher `attempt` than before means an earlier run was lost: its deltas are void and the text
+  starts again from the deltas that follow.
+- `delta`: the `text` made since the previous delta of the same `attempt`, and its `tokens`.
+- one final event — `done`, `error`, `cancelled` or `timed_out` — carrying `status`, `usage`
+  and `error_code`; nothing follows it.
+
+The stream entry of event `seq` has the id `0-<seq>`, so "everything after event N" is an XREAD
+from `0-N`.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from core import keys
 _PUBLISH_SCRIPT = """
 local seq = redis.call('XLEN', KEYS[1]) + 1
 local payload = '{"seq":' .. seq .. ',' .. string.sub(ARGV[1], 2)
-redis.call('XADD', KEYS[1], '*', 'e', payload)
+redis.call('XADD', KEYS[1], '0-' .. seq, 'e', payload)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('PUBLISH', KEYS[2], payload)
 return seq
@@ -97,6 +106,23 @@ async def wait_for_final_event(client: aioredis.Redis, job_id: str, timeout_s: f
                 return True
         remaining_ms = int((deadline - time.monotonic()) * 1000)
     return False
+
+
+def stream_id(seq: int) -> str:
+    """The stream entry id of event `seq` (0 stands for "before the first event")."""
+    return f"0-{seq}"
+
+
+async def read_events(
+    client: aioredis.Redis, job_id: str, after_seq: int, *, block_ms: int | None, count: int = 500
+) -> list[dict[str, Any]]:
+    """The job's events after `after_seq`, oldest first; waits up to `block_ms` for one to come."""
+    if block_ms is not None:
+        block_ms = max(1, min(block_ms, _MAX_BLOCK_MS))
+    reply = await client.xread(
+        {keys.job_event_stream(job_id): stream_id(after_seq)}, block=block_ms, count=count
+    )
+    return [event for _, event in _entries(reply)]
 
 
 def _entries(reply: Any) -> list[tuple[str, dict[str, Any]]]:

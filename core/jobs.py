@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from core.db import Database
 from core.errors import IdempotencyKeyReused
-from core.models import Job, utcnow
+from core.models import Job, as_utc, utcnow
 from core.states import FINAL_STATES, JobStatus
 
 
@@ -32,6 +32,7 @@ class NewJob:
     sampling_params: dict[str, Any]
     timeout_s: float
     prompt_tokens: int
+    queue_timeout_s: float | None = None
     idempotency_key: str | None = None
     request_hash: str | None = None
     id: str = field(default_factory=new_job_id)
@@ -50,6 +51,8 @@ class NewJob:
             timeout_s=self.timeout_s,
             prompt_tokens=self.prompt_tokens,
             created_at=created_at,
+            queue_deadline_at=created_at
+            + timedelta(seconds=min(self.queue_timeout_s or self.timeout_s, self.timeout_s)),
             attempt=0,
         )
 
@@ -179,6 +182,61 @@ class JobStore:
             error_message="The job waited in the queue past its deadline.",
         )
 
+    def expire_overdue(self, now: datetime) -> list[str]:
+        """End every queued job whose queue deadline has passed; returns their ids."""
+        with self.db.session() as session:
+            return list(
+                session.scalars(
+                    update(Job)
+                    .where(Job.status == JobStatus.QUEUED.value, Job.queue_deadline_at <= now)
+                    .values(
+                        status=JobStatus.TIMED_OUT.value,
+                        finished_at=now,
+                        error_code="queue_timeout",
+                        error_message="The job waited in the queue past its deadline.",
+                    )
+                    .returning(Job.id)
+                    .execution_options(synchronize_session=False)
+                )
+            )
+
+    def running(self, started_before: datetime) -> list[Job]:
+        """Jobs running since before `started_before` (candidates for a lapsed lease)."""
+        with self.db.session() as session:
+            return list(
+                session.scalars(
+                    select(Job).where(
+                        Job.status == JobStatus.RUNNING.value, Job.started_at < started_before
+                    )
+                )
+            )
+
+    def requeue_attempt(self, job: Job) -> bool:
+        """Put a job whose attempt was lost back in the queue; False if that attempt moved on.
+
+        From now on only its total deadline bounds its wait.
+        """
+        return self._transition(
+            job.id,
+            {JobStatus.RUNNING},
+            attempt_is=job.attempt,
+            status=JobStatus.QUEUED.value,
+            worker=None,
+            queue_deadline_at=as_utc(job.created_at) + timedelta(seconds=job.timeout_s),
+        )
+
+    def fail_attempt(self, job: Job, code: str, message: str) -> bool:
+        """End a job whose attempt was lost for good; False if that attempt moved on."""
+        return self._transition(
+            job.id,
+            {JobStatus.RUNNING},
+            attempt_is=job.attempt,
+            status=JobStatus.FAILED.value,
+            finished_at=utcnow(),
+            error_code=code,
+            error_message=message,
+        )
+
     def start_attempts(self, job_ids: list[str], worker: str) -> list[Job]:
         """Start a new attempt of every job among `job_ids` that is not final, in one statement."""
         with self.db.session() as session:
@@ -238,11 +296,21 @@ class JobStore:
         )
         return bool(result.rowcount)  # type: ignore[attr-defined]
 
-    def _transition(self, job_id: str, sources: set[JobStatus], **values: Any) -> bool:
+    def _transition(
+        self,
+        job_id: str,
+        sources: set[JobStatus],
+        *,
+        attempt_is: int | None = None,
+        **values: Any,
+    ) -> bool:
+        conditions = [Job.id == job_id, Job.status.in_([s.value for s in sources])]
+        if attempt_is is not None:
+            conditions.append(Job.attempt == attempt_is)
         with self.db.session() as session:
             result = session.execute(
                 update(Job)
-                .where(Job.id == job_id, Job.status.in_([s.value for s in sources]))
+                .where(*conditions)
                 .values(**values)
                 .execution_options(synchronize_session=False)
             )

@@ -63,6 +63,7 @@ class Job(Base):
         UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
         Index("ix_jobs_owner_created", "owner", "created_at", "id"),
         Index("ix_jobs_status", "status"),
+        Index("ix_jobs_status_queue_deadline", "status", "queue_deadline_at"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -86,6 +87,8 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     first_token_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # A job still queued at this moment ends `timed_out` without running.
+    queue_deadline_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     worker: Mapped[str | None] = mapped_column(String(200))
@@ -107,5 +110,5 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
-SCHEMA_REVISION = "0001"
+SCHEMA_REVISION = "0002"
 """The Alembic head this code expects; /readyz compares it with the database."""

@@ -49,6 +49,12 @@ class Settings(BaseSettings):
         default=30.0,
         description="A worker's claim on a job lapses this long after its last renewal.",
     )
+    max_attempts: int = Field(
+        default=3, ge=1, description="Runs of a job whose worker is lost before it fails."
+    )
+    scheduler_interval_s: float = Field(
+        default=1.0, gt=0, description="How often `inferq scheduler` expires and reaps jobs."
+    )
     task_events: bool = Field(
         default=False,
         description="Send Celery task events (Flower's task pages); costs Redis traffic per job.",

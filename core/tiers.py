@@ -16,13 +16,22 @@ class Tier(StrEnum):
 
 
 class TierPolicy(BaseModel):
-    """What a tier promises: higher `priority` runs first; `timeout_s` bounds a job's total time."""
+    """What a tier promises: higher `priority` runs first; `timeout_s` bounds a job's total time.
+
+    `max_queue_s` bounds the wait before a job starts (default: the whole `timeout_s`); a job
+    still queued past it ends `timed_out` without touching the engine.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     priority: int = Field(ge=0, le=100)
     timeout_s: float = Field(gt=0)
     max_tokens: int = Field(gt=0)
+    max_queue_s: float | None = Field(default=None, gt=0)
+
+    def queue_limit_s(self, timeout_s: float) -> float:
+        """How long a job with total limit `timeout_s` may wait to start."""
+        return min(self.max_queue_s or timeout_s, timeout_s)
 
 
 # The seed's SLA levels.

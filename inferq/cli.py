@@ -46,7 +46,8 @@ def api(host: str, port: int, workers: int) -> None:
 @click.option("--gpus", default=None, help="GPU indices this worker owns, e.g. 0 or 0,1.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 @click.option("--concurrency", type=int, default=None, help="Jobs in flight (default: setting).")
-def worker(gpus: str | None, device: str, concurrency: int | None) -> None:
+@click.option("--name", default=None, help="Node name (default: from the devices, e.g. gpu0@host).")
+def worker(gpus: str | None, device: str, concurrency: int | None, name: str | None) -> None:
     """Run a worker: pin devices, load one vLLM engine, consume the tier queues."""
     from workers.devices import DeviceSpec, engine_build, parse_gpus
     from workers.main import run_worker
@@ -59,7 +60,32 @@ def worker(gpus: str | None, device: str, concurrency: int | None) -> None:
         spec = DeviceSpec("cpu") if device == "cpu" else DeviceSpec("cuda", parse_gpus(gpus or "0"))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus") from exc
-    sys.exit(run_worker(_settings(), spec, concurrency=concurrency))
+    sys.exit(run_worker(_settings(), spec, concurrency=concurrency, name=name))
+
+
+@main.command()
+def scheduler() -> None:
+    """Run the periodic work: expire overdue queued jobs, requeue jobs of lost workers."""
+    import signal
+    import threading
+
+    import redis
+
+    from core.db import Database
+    from core.jobs import JobStore
+    from scheduler.queues import make_celery_app
+    from scheduler.reaper import Scheduler
+
+    settings = _settings()
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    Scheduler(
+        settings,
+        JobStore(Database(settings.sqlalchemy_url)),
+        redis.Redis.from_url(settings.redis_url, socket_timeout=10),
+        make_celery_app(settings),
+    ).run(stopped)
 
 
 @main.command()
@@ -199,7 +225,8 @@ def submit(
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--flower-port", default=5555, show_default=True, type=int)
 def up(port: int, flower_port: int) -> None:
-    """Run everything locally: Redis, SQLite, migrations, the local model, a worker, API, Flower."""
+    """Run everything locally: Redis, SQLite, migrations, the local model, a worker, the
+    scheduler, the API and Flower."""
     from core.apikeys import KeyStore
     from core.db import Database
     from inferq.local import LocalStack, read_dev_key, write_dev_key
@@ -220,6 +247,7 @@ def up(port: int, flower_port: int) -> None:
             key, _ = KeyStore(Database(settings.sqlalchemy_url)).create("dev", Tier.PREMIUM)
             write_dev_key(settings.data_dir, key)
         stack.inferq("worker", "worker")
+        stack.inferq("scheduler", "scheduler")
         stack.inferq("api", "api", "--port", str(port))
         stack.inferq("flower", "flower", "--port", str(flower_port))
         click.echo("starting (the engine takes up to a minute to load) …")

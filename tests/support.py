@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 import uuid
@@ -33,6 +34,8 @@ POSTGRES_ADMIN_URL = os.environ.get(
 )
 WORKER_CONCURRENCY = 32
 BLOCKER_TOKENS = 4000
+LEASE_TTL_S = 6
+FINAL_STATES = ("succeeded", "failed", "cancelled", "timed_out")
 
 
 class ServiceMissing(RuntimeError):
@@ -134,11 +137,17 @@ class Stack:
             tier.value: int(self.redis.llen(keys.queue_name(tier))) for tier in TIERS_BY_PRIORITY
         }
 
-    def worker_stats(self) -> dict[str, int]:
-        """The (single) worker's counters."""
+    @property
+    def worker_name(self) -> str:
+        """The node name of the stack's own worker."""
+        return f"cpu@{socket.gethostname()}"
+
+    def worker_stats(self, name: str | None = None) -> dict[str, int]:
+        """A worker's counters (default: the stack's own worker)."""
         workers = live_workers(self.redis)
-        assert len(workers) == 1, workers
-        return next(iter(workers.values()))
+        name = name or self.worker_name
+        assert name in workers, workers
+        return workers[name]
 
     def wait_idle(self, timeout_s: float = 60) -> dict[str, int]:
         """Wait until the queues are empty and the worker runs nothing; returns its counters."""
@@ -166,6 +175,9 @@ def start_stack(tmp: Path, redis_url: str, database_url: str, model_dir: Path) -
         # Long premium jobs keep the worker busy while a test builds a backlog behind them.
         INFERQ_TIERS=json.dumps({"premium": {"max_tokens": BLOCKER_TOKENS}}),
         INFERQ_LOG_LEVEL="INFO",
+        # Short leases, so a killed worker's jobs are requeued within seconds.
+        INFERQ_LEASE_TTL_S=str(LEASE_TTL_S),
+        INFERQ_SCHEDULER_INTERVAL_S="0.5",
     )
     return local
 
@@ -185,6 +197,47 @@ def wait_final(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dic
         response = client.get(f"/v1/jobs/{job_id}", params={"wait": 10})
         assert response.status_code == 200, response.text
         job: dict[str, Any] = response.json()
-        if job["status"] in ("succeeded", "failed", "cancelled", "timed_out"):
+        if job["status"] in FINAL_STATES:
             return job
     raise AssertionError(f"job {job_id} not final after {timeout_s}s")
+
+
+def read_sse(
+    client: httpx.Client,
+    job_id: str,
+    *,
+    last_event_id: int | str | None = None,
+    max_events: int | None = None,
+) -> list[dict[str, Any]]:
+    """A job's Server-Sent Events until the final one (or `max_events`), checking each frame."""
+    headers = {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)}
+    events: list[dict[str, Any]] = []
+    frame: dict[str, str] = {}
+    with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith(":"):
+                continue  # a heartbeat comment
+            if line:
+                name, _, value = line.partition(": ")
+                frame[name] = value
+                continue
+            event = json.loads(frame["data"])
+            assert int(frame["id"]) == event["seq"]
+            assert frame["event"] == event["type"] and event["job_id"] == job_id
+            events.append(event)
+            frame = {}
+            if event["type"] in FINAL_EVENTS or len(events) == max_events:
+                break
+    return events
+
+
+FINAL_EVENTS = ("done", "error", "cancelled", "timed_out")
+
+
+def streamed_text(events: list[dict[str, Any]]) -> str:
+    """The text the deltas of the job's last attempt add up to."""
+    attempts = [e["attempt"] for e in events if e["type"] == "status" and "attempt" in e]
+    last = max(attempts, default=0)
+    return "".join(e["text"] for e in events if e["type"] == "delta" and e["attempt"] == last)

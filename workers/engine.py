@@ -1,8 +1,10 @@
 """The vLLM engine adapter: one AsyncLLM on an event loop in a background thread.
 
 Celery's task threads call `submit`, which schedules the generation on the loop and returns a
-future; vLLM batches every request in flight (continuous batching). This is the only module
-that imports vLLM, and it is imported only after the worker has pinned its devices.
+future; vLLM batches every request in flight (continuous batching). The text each request makes
+is collected per engine step and handed to the delta sink once per step, not once per token.
+This is the only module that imports vLLM, and it is imported only after the worker has pinned
+its devices.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from core.settings import Settings
 from core.states import JobStatus
-from workers.generation import GenerationRequest, GenerationResult
+from workers.generation import Delta, DeltaSink, GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,14 @@ def engine_args(settings: Settings, *, device: str, num_gpus: int) -> dict[str, 
 class VllmEngine:
     """An AsyncLLM driven from worker threads."""
 
-    def __init__(self, settings: Settings, *, device: str = "cuda", num_gpus: int = 1) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        device: str = "cuda",
+        num_gpus: int = 1,
+        on_deltas: DeltaSink | None = None,
+    ) -> None:
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gb))
         self._args = engine_args(settings, device=device, num_gpus=num_gpus)
@@ -60,6 +69,9 @@ class VllmEngine:
         self._pending: set[str] = set()
         self._lock = threading.Lock()
         self._llm: Any = None
+        self._on_deltas = on_deltas
+        # Deltas of the current engine step; handed to the sink once the step's outputs are in.
+        self._step: list[Delta] = []
 
     def start(self) -> None:
         """Load the model and start the engine; blocks until it is ready."""
@@ -119,7 +131,8 @@ class VllmEngine:
                     request.prompt, params, request.request_id, priority=request.priority
                 )
                 async for output in stream:
-                    _absorb(result, output)
+                    text, tokens = _absorb(result, output)
+                    self._add_delta(Delta(request.job_id, request.attempt, text, tokens))
             result.status = JobStatus.SUCCEEDED
         except TimeoutError:
             result.status = JobStatus.TIMED_OUT
@@ -143,8 +156,23 @@ class VllmEngine:
             with self._lock:
                 self._tasks.pop(request.request_id, None)
                 self._stop_reasons.pop(request.request_id, None)
+            # Every delta of this request is with the sink before its result is.
+            self._flush_step()
         result.text = "".join(result.chunks)
         return result
+
+    def _add_delta(self, delta: Delta) -> None:
+        if self._on_deltas is None:
+            return
+        if not self._step:
+            # vLLM wakes every request of a step before this callback runs, so it sees them all.
+            self._loop.call_soon(self._flush_step)
+        self._step.append(delta)
+
+    def _flush_step(self) -> None:
+        if self._step and self._on_deltas is not None:
+            step, self._step = self._step, []
+            self._on_deltas(step)
 
     def shutdown(self) -> None:
         """Abort what is running, shut the engine down and stop the loop."""
@@ -167,8 +195,8 @@ async def _shutdown_engine(llm: Any) -> None:
     llm.shutdown()
 
 
-def _absorb(result: GenerationResult, output: Any) -> None:
-    """Fold one engine step's delta output for a request into its result."""
+def _absorb(result: GenerationResult, output: Any) -> tuple[str, int]:
+    """Fold one step's output for a request into its result; returns the step's text and tokens."""
     completion = output.outputs[0]
     if completion.token_ids and result.first_token_at is None:
         result.first_token_at = datetime.now(UTC)
@@ -180,3 +208,4 @@ def _absorb(result: GenerationResult, output: Any) -> None:
         result.cached_prompt_tokens = output.num_cached_tokens
     if completion.finish_reason is not None:
         result.finish_reason = completion.finish_reason
+    return completion.text, len(completion.token_ids)

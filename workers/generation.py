@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -12,13 +13,29 @@ from core.states import JobStatus
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One job as the engine sees it."""
+    """One attempt of a job as the engine sees it."""
 
     request_id: str
     prompt: str
     sampling: dict[str, Any]
     priority: int
     timeout_s: float
+    job_id: str = ""
+    attempt: int = 0
+
+
+@dataclass
+class Delta:
+    """Text one attempt of a job made in one engine step."""
+
+    job_id: str
+    attempt: int
+    text: str
+    tokens: int
+
+
+DeltaSink = Callable[[list[Delta]], None]
+"""Receives each engine step's deltas, in order; called on the engine's thread, must not block."""
 
 
 @dataclass

@@ -6,15 +6,18 @@ import logging
 import threading
 
 import redis
+from celery.signals import worker_ready
 
 from core import keys
 from core.db import Database
+from core.events import EventPublisher
 from core.jobs import JobStore
 from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY
 from scheduler.queues import make_celery_app
 from workers.devices import DeviceSpec, pin_devices
 from workers.runner import JobRunner
+from workers.streams import DeltaPublisher
 from workers.tasks import register_tasks
 
 log = logging.getLogger(__name__)
@@ -61,28 +64,43 @@ class _CancelListener(threading.Thread):
                     log.info("aborted job %s on request", job_id)
 
 
-def run_worker(settings: Settings, spec: DeviceSpec, *, concurrency: int | None = None) -> int:
+def run_worker(
+    settings: Settings,
+    spec: DeviceSpec,
+    *,
+    concurrency: int | None = None,
+    name: str | None = None,
+) -> int:
     """Run a worker until it is told to stop; returns the exit code."""
     pin_devices(spec)
     from workers.engine import VllmEngine  # imports vllm: only after pinning
 
-    node_name = spec.node_name()
-    engine = VllmEngine(settings, device=spec.kind, num_gpus=len(spec.gpus))
-    engine.start()
+    node_name = name or spec.node_name()
     client = redis.Redis.from_url(settings.redis_url)
+    deltas = DeltaPublisher(EventPublisher(client, settings.job_key_ttl_s))
+    engine = VllmEngine(
+        settings, device=spec.kind, num_gpus=len(spec.gpus), on_deltas=deltas.publish_step
+    )
+    engine.start()
     runner = JobRunner(
         settings=settings,
         store=JobStore(Database(settings.sqlalchemy_url)),
         engine=engine,
         redis_client=client,
         worker_name=node_name,
+        deltas=deltas,
     )
     heartbeat = _Heartbeat(runner, interval_s=min(1.0, settings.lease_ttl_s / 3))
     listener = _CancelListener(runner, client)
-    client.sadd(keys.WORKERS_SET, node_name)
-    runner.renew_leases()
-    heartbeat.start()
     listener.start()
+
+    def announce(**_: object) -> None:
+        # Shown as live only once it consumes, so "a worker is up" means "jobs will run".
+        client.sadd(keys.WORKERS_SET, node_name)
+        runner.renew_leases()
+        heartbeat.start()
+
+    worker_ready.connect(announce, weak=False)
 
     app = make_celery_app(settings)
     register_tasks(app, runner)

@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
@@ -45,11 +46,18 @@ class OutcomeRecorder:
     """Writes attempts' outcomes, fenced by attempt number, announces them, frees their leases."""
 
     def __init__(
-        self, store: JobStore, publisher: EventPublisher, release_lease: redis.commands.core.Script
+        self,
+        store: JobStore,
+        publisher: EventPublisher,
+        release_lease: redis.commands.core.Script,
+        *,
+        before_final: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.publisher = publisher
         self.release_lease = release_lease
+        # Called before final events go out: publishes the deltas still queued, which precede them.
+        self.before_final = before_final
         self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="inferq-recorder", daemon=True).start()
 
@@ -90,6 +98,8 @@ class OutcomeRecorder:
                 outcome = self._store(item.job_id, item.attempt, item.outcome)
                 if outcome is not None:
                     written[item.job_id] = outcome
+        if self.before_final is not None:
+            self.before_final()
         try:
             pipe = self.publisher.client.pipeline(transaction=False)
             for job_id, outcome in written.items():
@@ -100,6 +110,10 @@ class OutcomeRecorder:
                     status=outcome.status.value,
                     finish_reason=outcome.finish_reason,
                     error_code=outcome.error_code,
+                    usage={
+                        "prompt_tokens": outcome.prompt_tokens,
+                        "completion_tokens": outcome.completion_tokens,
+                    },
                 )
             for item in batch:
                 self.release_lease(

@@ -30,6 +30,7 @@ from core.states import JobStatus
 from core.tiers import engine_priority
 from workers.generation import Engine, GenerationRequest, GenerationResult
 from workers.outcomes import OutcomeRecorder
+from workers.streams import DeltaPublisher
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class JobRunner:
         engine: Engine,
         redis_client: redis.Redis,
         worker_name: str,
+        deltas: DeltaPublisher | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -99,7 +101,10 @@ class JobRunner:
         self.publisher = EventPublisher(redis_client, settings.job_key_ttl_s)
         self.stats = WorkerStats()
         self._release = redis_client.register_script(_RELEASE_SCRIPT)
-        self.outcomes = OutcomeRecorder(store, self.publisher, self._release)
+        self.deltas = deltas
+        self.outcomes = OutcomeRecorder(
+            store, self.publisher, self._release, before_final=deltas.flush if deltas else None
+        )
         # job id → engine request id, for every job this worker is running
         self._running: dict[str, str] = {}
         self._to_start: queue.SimpleQueue[tuple[str, Future[_StartOutcome]]] = queue.SimpleQueue()
@@ -173,9 +178,10 @@ class JobRunner:
         for job_id in to_start:
             if job_id not in started:  # ended meanwhile
                 self._release_lease(job_id, tokens[job_id])
+        # Announced before they are submitted, so a job's running event precedes its deltas.
+        self._announce_starts(list(started.values()))
         for job in started.values():
             answers[job.id] = _Started(job, tokens[job.id], self._submit(job))
-        self._announce_starts(list(started))
         with self.stats.lock:
             self.stats.skipped += len(ids) - len(answers) + (len(job_ids) - len(ids))
         return answers
@@ -185,7 +191,7 @@ class JobRunner:
         if cancel_requested and self.store.cancel_if_queued(job.id):
             self.outcomes.publish_final(job.id, JobStatus.CANCELLED)
             return JobStatus.CANCELLED
-        if _remaining_s(job) <= 0 and self.store.expire_if_queued(job.id):
+        if _queue_expired(job) and self.store.expire_if_queued(job.id):
             self.outcomes.publish_final(job.id, JobStatus.TIMED_OUT, error_code="queue_timeout")
             return JobStatus.TIMED_OUT
         return None
@@ -197,6 +203,8 @@ class JobRunner:
             sampling=dict(job.sampling_params),
             priority=engine_priority(self.settings.tier_policy(job.tier)),
             timeout_s=max(_remaining_s(job), 0.001),
+            job_id=job.id,
+            attempt=job.attempt,
         )
         with self.stats.lock:
             self.stats.in_flight += 1
@@ -206,28 +214,32 @@ class JobRunner:
         log.info("job %s started: attempt %d, tier %s", job.id, job.attempt, job.tier)
         return self.engine.submit(request)
 
-    def _announce_starts(self, job_ids: list[str]) -> None:
+    def _announce_starts(self, jobs: list[Job]) -> None:
         """Publish the running events and catch cancels that came before the jobs were registered.
 
         The jobs are in `_running` already, so a cancel is seen either here or by the listener.
         Both are best effort: generation goes on if Redis is briefly unreachable.
         """
-        if not job_ids:
+        if not jobs:
             return
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for job_id in job_ids:
+            for job in jobs:
                 self.publisher.publish(
-                    job_id, "status", status=JobStatus.RUNNING.value, client=pipe
+                    job.id,
+                    "status",
+                    status=JobStatus.RUNNING.value,
+                    attempt=job.attempt,
+                    client=pipe,
                 )
-                pipe.exists(keys.job_cancel_flag(job_id))
+                pipe.exists(keys.job_cancel_flag(job.id))
             replies = pipe.execute()
         except redis.RedisError:
-            log.warning("could not announce %d job starts", len(job_ids), exc_info=True)
+            log.warning("could not announce %d job starts", len(jobs), exc_info=True)
             return
-        for index, job_id in enumerate(job_ids):
+        for index, job in enumerate(jobs):
             if replies[2 * index + 1]:
-                self.cancel(job_id)
+                self.cancel(job.id)
 
     def _release_lease(self, job_id: str, token: str) -> None:
         try:
@@ -256,6 +268,13 @@ class JobRunner:
         pipe.delete(keys.worker_stats(self.worker_name))
         pipe.srem(keys.WORKERS_SET, self.worker_name)
         pipe.execute()
+
+
+def _queue_expired(job: Job) -> bool:
+    """Whether the job waited past its queue deadline (or its total deadline)."""
+    if job.queue_deadline_at is not None and as_utc(job.queue_deadline_at) <= datetime.now(UTC):
+        return True
+    return _remaining_s(job) <= 0
 
 
 def _remaining_s(job: Job) -> float:

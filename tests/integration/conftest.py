@@ -65,6 +65,7 @@ def stack(
         ],
     )
     local.start("api", [sys.executable, "-m", "inferq", "api", "--port", str(port)])
+    local.start("scheduler", [sys.executable, "-m", "inferq", "scheduler"])
     running = Stack(
         api_url=f"http://127.0.0.1:{port}",
         redis_url=redis_url,
@@ -77,7 +78,7 @@ def stack(
         yield running
     finally:
         local.stop()
-        for name in ("worker", "api"):
+        for name in ("worker", "api", "scheduler"):
             log = tmp / "logs" / f"{name}.log"
             if log.exists():
                 tail = log.read_text(errors="replace").splitlines()[-15:]

@@ -31,7 +31,7 @@ def _resolve(args: list[str]) -> click.Command:
 
 
 def test_every_inferq_service_runs_a_real_cli_command() -> None:
-    assert {"api", "migrate", "flower", "worker-gpu0"} <= set(INFERQ_SERVICES)
+    assert {"api", "migrate", "scheduler", "flower", "worker-gpu0"} <= set(INFERQ_SERVICES)
     for service in INFERQ_SERVICES.values():
         command = service["command"]
         _resolve(command if isinstance(command, list) else shlex.split(command))

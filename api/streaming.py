@@ -1,0 +1,105 @@
+"""Following a job's event stream from the API: replay, then live, then the final event.
+
+The per-job Redis stream is the source (see `core.events`); the database is the judge. A job
+that ended while its final event was lost (Redis restarted, the stream expired) still gets a
+final event, rebuilt from its row, so no reader ever waits forever.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from api.services import Services
+from core.errors import InvalidRequest
+from core.events import is_final, read_events
+from core.models import Job
+from core.states import JobStatus, final_event_type
+
+HEARTBEAT_S = 5.0
+"""How often an idle stream sends a keep-alive (and rechecks the job's row)."""
+
+
+def parse_last_event_id(value: str | None) -> int:
+    """The sequence number a reader has seen (0: none); InvalidRequest if it is not one of ours."""
+    if value is None or value.strip() == "":
+        return 0
+    text = value.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
+        raise InvalidRequest(
+            "Last-Event-ID must be the id of an event of this stream (a whole number).",
+            param="Last-Event-ID",
+        )
+    return int(text)
+
+
+def final_event_from_row(job: Job, seq: int) -> dict[str, Any]:
+    """The final event of a job whose stream lost it, rebuilt from the job's row."""
+    status = JobStatus(job.status)
+    return {
+        "seq": seq,
+        "job_id": job.id,
+        "type": final_event_type(status),
+        "status": status.value,
+        "finish_reason": job.finish_reason,
+        "error_code": job.error_code,
+        "usage": {"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens},
+    }
+
+
+async def follow_events(
+    services: Services, job: Job, after_seq: int, *, heartbeat_s: float = HEARTBEAT_S
+) -> AsyncIterator[dict[str, Any] | None]:
+    """The job's events after `after_seq` up to its final one; None when a heartbeat is due."""
+    last = after_seq
+    # A job already final: replay what is there without waiting.
+    if JobStatus(job.status).is_final:
+        while True:
+            events = await read_events(services.redis, job.id, last, block_ms=None)
+            for event in events:
+                last = event["seq"]
+                yield event
+                if is_final(event):
+                    return
+            if not events:
+                yield final_event_from_row(job, last + 1)
+                return
+    idle_since = time.monotonic()
+    while True:
+        block_ms = int(max(0.001, heartbeat_s - (time.monotonic() - idle_since)) * 1000)
+        events = await read_events(services.redis, job.id, last, block_ms=block_ms)
+        for event in events:
+            last = event["seq"]
+            yield event
+            if is_final(event):
+                return
+        if events:
+            idle_since = time.monotonic()
+            continue
+        if time.monotonic() - idle_since >= heartbeat_s:
+            idle_since = time.monotonic()
+            current = await run_in_threadpool(services.jobs.get, job.id)
+            if current is not None and JobStatus(current.status).is_final:
+                # One more read: the final event may have landed since the last one.
+                events = await read_events(services.redis, job.id, last, block_ms=None)
+                for event in events:
+                    last = event["seq"]
+                    yield event
+                    if is_final(event):
+                        return
+                yield final_event_from_row(current, last + 1)
+                return
+            yield None
+
+
+def sse_frame(event: dict[str, Any]) -> str:
+    """One Server-Sent Event: its id is the event's sequence number, its name the event type."""
+    data = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+    return f"id: {event['seq']}\nevent: {event['type']}\ndata: {data}\n\n"
+
+
+SSE_HEARTBEAT = ": keep-alive\n\n"

@@ -1,0 +1,174 @@
+"""A worker killed with SIGKILL mid-generation loses nothing and duplicates nothing.
+
+A second worker (the victim) runs beside the stack's own; each trial kills the victim's whole
+process group while it generates, and the scheduler's lease reaper hands its jobs to the
+surviving worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from core import keys
+from core.tiers import Tier
+from core.workerinfo import live_workers
+from tests.integration.test_cancel_and_deadlines import full_worker
+from tests.support import FINAL_EVENTS, Stack, read_sse, streamed_text, wait_final
+
+VICTIM = "victim@inferq-test"
+JOBS_PER_TRIAL = 8
+TOKENS = 600
+
+
+class Victim:
+    """A killable worker process (its own process group, engine core included)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = stack.local.settings.data_dir.resolve() / "logs" / "victim.log"
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "inferq", "worker", "--device", "cpu"]
+        self.process = subprocess.Popen(
+            [*command, "--concurrency", "8", "--name", VICTIM],
+            env=self.stack.local.env,
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while VICTIM not in live_workers(self.stack.redis):
+            assert self.process is not None and self.process.poll() is None, "victim died"
+            assert time.monotonic() < deadline, "the victim worker did not start"
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        # Its counters would linger until their TTL; drop them so `wait_ready` sees the restart.
+        self.stack.redis.delete(keys.worker_stats(VICTIM))
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+
+
+@pytest.fixture
+def victim(stack: Stack) -> Iterator[Victim]:
+    worker = Victim(stack)
+    worker.start()
+    try:
+        worker.wait_ready()
+        yield worker
+    finally:
+        worker.stop()
+        # Its stats key lapses by itself after a kill; wait so other tests see one worker.
+        while VICTIM in live_workers(stack.redis):
+            time.sleep(0.5)
+
+
+def _workers_of(stack: Stack, job_ids: list[str]) -> dict[str, tuple[str, str | None, int]]:
+    """(status, worker, attempt) of each job, read from the database."""
+    from sqlalchemy import select
+
+    from core.models import Job
+
+    with stack.db.session() as session:
+        rows = session.execute(
+            select(Job.id, Job.status, Job.worker, Job.attempt).where(Job.id.in_(job_ids))
+        )
+        return {job_id: (status, worker, attempt) for job_id, status, worker, attempt in rows}
+
+
+def _on_victim(stack: Stack, jobs: list[dict[str, Any]]) -> list[str]:
+    rows = _workers_of(stack, [job["id"] for job in jobs])
+    return [job_id for job_id, (status, worker, _) in rows.items() if worker == VICTIM]
+
+
+def _trials(stack: Stack) -> int:
+    """Ten kills on PostgreSQL (the production database), three on SQLite."""
+    return int(os.environ.get("INFERQ_TEST_KILL_TRIALS", 0)) or (
+        10 if stack.database_url.startswith("postgresql") else 3
+    )
+
+
+def test_sigkill_mid_generation_loses_and_duplicates_nothing(stack: Stack, victim: Victim) -> None:
+    key = stack.create_key(Tier.STANDARD)
+    killed_jobs = 0
+    with stack.client(key) as client:
+        for trial in range(_trials(stack)):
+            # Both workers take jobs off the queue: submit until some reach the victim.
+            jobs: list[dict[str, Any]] = []
+            on_victim: list[str] = []
+            while not on_victim:
+                assert len(jobs) < 5 * JOBS_PER_TRIAL, "no job reached the victim"
+                jobs += [
+                    stack.submit(
+                        key, prompt=f"Trial {trial}, {i}.", max_tokens=TOKENS, ignore_eos=True
+                    )
+                    for i in range(JOBS_PER_TRIAL)
+                ]
+                deadline = time.monotonic() + 5
+                while not on_victim and time.monotonic() < deadline:
+                    time.sleep(0.3)
+                    on_victim = _on_victim(stack, jobs)
+            victim.kill()
+            killed_jobs += len(on_victim)
+            victim.start()  # loads its engine while the survivor finishes the jobs
+            for job in jobs:
+                done = wait_final(client, job["id"], timeout_s=180)
+                events = read_sse(client, job["id"])
+                assert done["status"] == "succeeded", done
+                assert done["usage"]["completion_tokens"] == TOKENS
+                assert [e["type"] for e in events].count(events[-1]["type"]) == 1
+                assert sum(e["type"] in FINAL_EVENTS for e in events) == 1
+                assert streamed_text(events) == done["text"]
+                if job["id"] in on_victim:
+                    assert done["attempt"] == 2, done
+                    assert _workers_of(stack, [job["id"]])[job["id"]][1] == stack.worker_name
+                    requeued = [e for e in events if e.get("reason") == "worker_lost"]
+                    assert len(requeued) == 1
+            victim.wait_ready()
+    assert killed_jobs >= _trials(stack)
+
+
+def test_a_cancelled_queued_job_never_runs_across_a_worker_restart(
+    stack: Stack, victim: Victim
+) -> None:
+    key = stack.create_key(Tier.BASIC)
+    victim.kill()  # the only worker with free slots is gone
+    with full_worker(stack), stack.client(key) as client:
+        job = stack.submit(key, prompt="Never run me.", max_tokens=8)
+        cancelled = client.delete(f"/v1/jobs/{job['id']}")
+        assert cancelled.status_code == 200
+        assert cancelled.json()["status"] == "cancelled"
+        victim.start()
+        victim.wait_ready()
+        deadline = time.monotonic() + 60
+        # The restarted worker takes the job's message off the queue and drops it.
+        while stack.queue_lengths()["basic"]:
+            assert time.monotonic() < deadline, "the message was not consumed"
+            time.sleep(0.5)
+        time.sleep(2)
+        after = client.get(f"/v1/jobs/{job['id']}").json()
+    assert after["status"] == "cancelled"
+    assert after["attempt"] == 0 and after["timings"]["queue_s"] is None
+    assert live_workers(stack.redis)[VICTIM]["engine_requests"] == 0

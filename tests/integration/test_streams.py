@@ -1,0 +1,174 @@
+"""Token streams: SSE with replay and resume, and the WebSocket, on the real engine."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from websockets.sync.client import ClientConnection, connect
+
+from core.tiers import Tier
+from tests.support import (
+    BLOCKER_TOKENS,
+    FINAL_EVENTS,
+    Stack,
+    read_sse,
+    streamed_text,
+    wait_final,
+)
+
+
+def _check_stream(events: list[dict[str, Any]]) -> None:
+    """Numbered 1..n without gaps, one final event, and it is the last."""
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    finals = [e for e in events if e["type"] in FINAL_EVENTS]
+    assert finals == [events[-1]]
+
+
+def test_streamed_deltas_equal_the_stored_text(stack: Stack) -> None:
+    key = stack.create_key(Tier.STANDARD)
+    jobs = [
+        stack.submit(key, prompt=f"Stream {i}: ü 漢字", max_tokens=300, ignore_eos=True)
+        for i in range(3)
+    ]
+    with stack.client(key) as client:
+        for job in jobs:
+            events = read_sse(client, job["id"])
+            _check_stream(events)
+            done = wait_final(client, job["id"])
+            assert events[-1]["type"] == "done" and events[-1]["status"] == "succeeded"
+            assert events[-1]["usage"]["completion_tokens"] == 300
+            deltas = [e for e in events if e["type"] == "delta"]
+            assert sum(e["tokens"] for e in deltas) == 300
+            # Byte for byte, multi-byte characters included (the byte-level model splits them).
+            assert streamed_text(events).encode() == done["text"].encode()
+            assert len(deltas) > 1
+
+
+def test_resume_with_last_event_id_loses_and_repeats_nothing(stack: Stack) -> None:
+    key = stack.create_key(Tier.STANDARD)
+    job = stack.submit(key, prompt="Resume me.", max_tokens=400, ignore_eos=True)
+    with stack.client(key) as client:
+        first = read_sse(client, job["id"], max_events=4)
+        assert len(first) == 4
+        rest = read_sse(client, job["id"], last_event_id=first[-1]["seq"])
+        # A reader that comes after the end gets the whole stream replayed.
+        replay = read_sse(client, job["id"])
+        done = wait_final(client, job["id"])
+    assert first + rest == replay
+    _check_stream(replay)
+    assert streamed_text(replay) == done["text"]
+    # Resuming after the final event: the final event again, nothing else is invented.
+    with stack.client(key) as client:
+        again = read_sse(client, job["id"], last_event_id=replay[-1]["seq"])
+    assert [e["type"] for e in again] == [replay[-1]["type"]]
+
+
+@pytest.mark.parametrize("bad", ["abc", "-1", "1.5", "0x10", "9" * 30])
+def test_malformed_last_event_id_is_400(stack: Stack, bad: str) -> None:
+    key = stack.create_key(Tier.BASIC)
+    job = stack.submit(key, prompt="x", max_tokens=1)
+    with stack.client(key) as client:
+        response = client.get(f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": bad})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_request"
+    assert response.json()["error"]["param"] == "Last-Event-ID"
+
+
+def test_events_of_unknown_or_foreign_jobs_are_404(stack: Stack) -> None:
+    owner_key, other_key = stack.create_key(), stack.create_key()
+    job = stack.submit(owner_key, prompt="mine", max_tokens=1)
+    with stack.client(other_key) as client:
+        for job_id in (job["id"], "job_doesnotexist"):
+            response = client.get(f"/v1/jobs/{job_id}/events")
+            assert response.status_code == 404
+            assert response.json()["error"]["code"] == "not_found"
+    with stack.client(None) as client:
+        assert client.get(f"/v1/jobs/{job['id']}/events").status_code == 401
+
+
+def _ws(stack: Stack, key: str | None) -> ClientConnection:
+    url = stack.api_url.replace("http://", "ws://") + "/v1/ws"
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return connect(url, additional_headers=headers, open_timeout=30)
+
+
+def _receive(ws: ClientConnection) -> dict[str, Any]:
+    message: dict[str, Any] = json.loads(ws.recv(timeout=120))
+    return message
+
+
+def test_websocket_runs_two_jobs_on_one_socket(stack: Stack) -> None:
+    key = stack.create_key(Tier.STANDARD)
+    events: dict[str, list[dict[str, Any]]] = {}
+    accepted: dict[str, str] = {}
+    with _ws(stack, key) as ws:
+        for ref in ("a", "b"):
+            job = {"prompt": f"Socket job {ref}.", "max_tokens": 120, "ignore_eos": True}
+            ws.send(json.dumps({"type": "submit", "ref": ref, "job": job}))
+        ws.send("this is not json")  # an error event, and the socket stays usable
+        ws.send(json.dumps({"type": "submit", "ref": "c", "job": {"prompt": ""}}))
+        ws.send(json.dumps({"type": "dance"}))
+        ws.send(json.dumps({"type": "subscribe", "ref": "d", "job_id": "job_nope"}))
+        errors = []
+        while len(accepted) < 2 or any(
+            not evs or evs[-1]["type"] not in FINAL_EVENTS for evs in events.values()
+        ):
+            message = _receive(ws)
+            if message["type"] == "accepted":
+                accepted[message["ref"]] = message["job"]["id"]
+                events.setdefault(message["job"]["id"], [])
+            elif message["type"] == "error":
+                errors.append(message)
+            else:
+                events.setdefault(message["job_id"], []).append(message)
+    assert sorted(accepted) == ["a", "b"]
+    codes = sorted((e["ref"] or "", e["error"]["code"]) for e in errors)
+    assert codes == [
+        ("", "invalid_request"),
+        ("", "invalid_request"),
+        ("c", "invalid_request"),
+        ("d", "not_found"),
+    ]
+    with stack.client(key) as client:
+        for job_id in accepted.values():
+            _check_stream(events[job_id])
+            done = wait_final(client, job_id)
+            assert done["status"] == "succeeded"
+            assert streamed_text(events[job_id]) == done["text"]
+
+
+def test_closing_the_socket_cancels_its_jobs_unless_asked_not_to(stack: Stack) -> None:
+    key = stack.create_key(Tier.PREMIUM)
+    long_job = {"prompt": "Long.", "max_tokens": BLOCKER_TOKENS, "ignore_eos": True}
+    with _ws(stack, key) as ws:
+        ws.send(json.dumps({"type": "submit", "ref": "cancel-me", "job": long_job}))
+        ws.send(
+            json.dumps(
+                {"type": "submit", "ref": "keep", "job": long_job, "cancel_on_disconnect": False}
+            )
+        )
+        ids: dict[str, str] = {}
+        deltas = 0
+        while len(ids) < 2 or deltas < 2:
+            message = _receive(ws)
+            if message["type"] == "accepted":
+                ids[message["ref"]] = message["job"]["id"]
+            deltas += message["type"] == "delta"
+    with stack.client(key) as client:
+        cancelled = wait_final(client, ids["cancel-me"], timeout_s=60)
+        assert cancelled["status"] == "cancelled"
+        kept = client.get(f"/v1/jobs/{ids['keep']}").json()
+        assert kept["status"] == "running"
+        assert client.delete(f"/v1/jobs/{ids['keep']}").json()["status"] == "cancelled"
+
+
+def test_websocket_without_a_valid_key_is_refused_with_401(stack: Stack) -> None:
+    from websockets.exceptions import InvalidStatus
+
+    for key in (None, "iq_not_a_real_key"):
+        with pytest.raises(InvalidStatus) as refused:
+            _ws(stack, key)
+        assert refused.value.response.status_code == 401
+        assert json.loads(refused.value.response.body)["error"]["code"] == "invalid_api_key"

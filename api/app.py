@@ -8,16 +8,19 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from api import metrics
 from api.errors import install_error_handlers
 from api.limits import BodySizeLimit
 from api.routes import health, jobs, streams
 from api.services import Services
 from core.settings import Settings, get_settings
+from core.tracing import init_tracing
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """An API instance on `settings` (default: from the environment)."""
     settings = settings or get_settings()
+    init_tracing("inferq-api", settings.otlp_endpoint)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -36,8 +39,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(metrics.HttpMetrics)
     install_error_handlers(app)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(jobs.router)
     app.include_router(streams.router)
     logging.getLogger("inferq").setLevel(settings.log_level)

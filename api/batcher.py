@@ -9,6 +9,7 @@ from celery import Celery
 from starlette.concurrency import run_in_threadpool
 
 from core.jobs import JobStore, NewJob
+from core.metrics import count_submitted
 from core.models import Job
 from scheduler.queues import enqueue_jobs
 
@@ -65,5 +66,10 @@ class SubmissionBatcher:
     def _store_and_enqueue(self, batch: list[NewJob]) -> list[Job]:
         # The rows are committed before any id is enqueued.
         stored = self.jobs.create_many(batch)
-        enqueue_jobs(self.celery, [(job.id, job.tier) for job in stored])
+        enqueue_jobs(
+            self.celery,
+            [(job.id, job.tier) for job in stored],
+            [new.trace_headers for new in batch],
+        )
+        count_submitted(job.tier for job in stored)
         return stored

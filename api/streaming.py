@@ -8,17 +8,23 @@ final event, rebuilt from its row, so no reader ever waits forever.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.services import Services
-from core.errors import InvalidRequest
+from api.submission import cancel_job
+from core.errors import InvalidRequest, JobAlreadyFinal
 from core.events import is_final, read_events
 from core.models import Job
 from core.states import JobStatus, final_event_type
+
+log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
 """How often an idle stream sends a keep-alive (and rechecks the job's row)."""
@@ -103,3 +109,48 @@ def sse_frame(event: dict[str, Any]) -> str:
 
 
 SSE_HEARTBEAT = ": keep-alive\n\n"
+
+
+def event_stream(
+    services: Services,
+    job: Job,
+    after_seq: int,
+    *,
+    cancel_owner: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> StreamingResponse:
+    """The job's events after `after_seq` as an SSE response.
+
+    With `cancel_owner`, a client that goes away before the final event cancels the job.
+    """
+
+    async def frames() -> AsyncIterator[str]:
+        ended = False
+        try:
+            async for event in follow_events(services, job, after_seq):
+                if event is None:
+                    yield SSE_HEARTBEAT
+                    continue
+                ended = is_final(event)
+                yield sse_frame(event)
+        finally:
+            if not ended and cancel_owner is not None:
+                with anyio.CancelScope(shield=True):
+                    await cancel_quietly(services, cancel_owner, job.id, "its stream closed")
+
+    return StreamingResponse(
+        frames(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+    )
+
+
+async def cancel_quietly(services: Services, owner: str, job_id: str, why: str) -> None:
+    """Cancel a job its client has abandoned; nothing if it has ended meanwhile."""
+    try:
+        await cancel_job(services, owner, job_id)
+        log.info("job %s cancelled: %s", job_id, why)
+    except JobAlreadyFinal:
+        pass
+    except Exception:
+        log.warning("job %s: could not cancel it after %s", job_id, why, exc_info=True)

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 
+from opentelemetry.trace import SpanKind
 from starlette.concurrency import run_in_threadpool
 
 from api.schemas import JobCreate
@@ -20,8 +21,10 @@ from core.errors import (
     TierLimitExceeded,
 )
 from core.jobs import NewJob
+from core.metrics import JOBS_FINISHED, count_submitted
 from core.models import Job
 from core.states import JobStatus
+from core.tracing import current_headers, tracer
 from scheduler.queues import enqueue_job, enqueue_jobs
 
 log = logging.getLogger(__name__)
@@ -65,18 +68,31 @@ async def submit_job(
     Without an idempotency key the job is stored in a group commit with the jobs submitted at
     the same moment (see `api.batcher`).
     """
-    if idempotency_key is not None:
-        return await run_in_threadpool(_submit_blocking, services, principal, body, idempotency_key)
-    new = await run_in_threadpool(new_job, services, principal, body, None)
-    return await services.submissions.submit(new), True
+    with tracer().start_as_current_span("inferq.submit", kind=SpanKind.PRODUCER) as span:
+        headers = current_headers()
+        if idempotency_key is not None:
+            job, created = await run_in_threadpool(
+                _submit_blocking, services, principal, body, idempotency_key, headers
+            )
+        else:
+            new = await run_in_threadpool(new_job, services, principal, body, None, headers)
+            job, created = await services.submissions.submit(new), True
+        span.set_attributes({"inferq.job_id": job.id, "inferq.tier": job.tier})
+        return job, created
 
 
 def _submit_blocking(
-    services: Services, principal: Principal, body: JobCreate, idempotency_key: str | None
+    services: Services,
+    principal: Principal,
+    body: JobCreate,
+    idempotency_key: str | None,
+    headers: dict[str, str],
 ) -> tuple[Job, bool]:
-    job, created = services.jobs.create(new_job(services, principal, body, idempotency_key))
+    new = new_job(services, principal, body, idempotency_key, headers)
+    job, created = services.jobs.create(new)
     if created:
-        enqueue_job(services.celery, job.id, job.tier)
+        enqueue_job(services.celery, job.id, job.tier, headers)
+        count_submitted([job.tier])
     return job, created
 
 
@@ -87,27 +103,35 @@ async def submit_jobs(
 
     One bad job rejects the whole batch (its index in `param`), before anything is stored.
     """
-    return await run_in_threadpool(_submit_many_blocking, services, principal, bodies)
+    with tracer().start_as_current_span("inferq.submit_batch", kind=SpanKind.PRODUCER) as span:
+        span.set_attribute("inferq.jobs", len(bodies))
+        headers = current_headers()
+        return await run_in_threadpool(_submit_many_blocking, services, principal, bodies, headers)
 
 
 def _submit_many_blocking(
-    services: Services, principal: Principal, bodies: list[JobCreate]
+    services: Services, principal: Principal, bodies: list[JobCreate], headers: dict[str, str]
 ) -> list[Job]:
     batch = []
     for index, body in enumerate(bodies):
         try:
-            batch.append(new_job(services, principal, body, None))
+            batch.append(new_job(services, principal, body, None, headers))
         except ClientError as exc:
             exc.message = f"jobs[{index}]: {exc.message}"
             exc.param = f"jobs[{index}].{exc.param}" if exc.param else f"jobs[{index}]"
             raise
     jobs = services.jobs.create_many(batch)
-    enqueue_jobs(services.celery, [(job.id, job.tier) for job in jobs])
+    enqueue_jobs(services.celery, [(job.id, job.tier) for job in jobs], [headers] * len(jobs))
+    count_submitted(job.tier for job in jobs)
     return jobs
 
 
 def new_job(
-    services: Services, principal: Principal, body: JobCreate, idempotency_key: str | None
+    services: Services,
+    principal: Principal,
+    body: JobCreate,
+    idempotency_key: str | None,
+    trace_headers: dict[str, str] | None = None,
 ) -> NewJob:
     """The job to store for a request, after checking it against its tier and the model."""
     max_tokens = check_against_tier(services, principal, body)
@@ -129,6 +153,7 @@ def new_job(
         prompt_tokens=prompt_tokens,
         idempotency_key=idempotency_key,
         request_hash=request_hash,
+        trace_headers=trace_headers or {},
     )
 
 
@@ -147,6 +172,7 @@ async def cancel_job(services: Services, owner: str, job_id: str) -> Job:
         )
     await services.redis.set(keys.job_cancel_flag(job_id), b"1", ex=services.settings.job_key_ttl_s)
     if await run_in_threadpool(services.jobs.cancel_if_queued, job_id):
+        JOBS_FINISHED.labels(job.tier, JobStatus.CANCELLED.value).inc()
         await services.events.publish(job_id, "cancelled", status=JobStatus.CANCELLED.value)
     else:
         await services.redis.publish(keys.CANCEL_CHANNEL, job_id)

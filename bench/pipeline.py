@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from report import ModeResult, format_table, machine_info, percentile, save_chart
+from report import (
+    ModeResult,
+    format_table,
+    machine_info,
+    percentile,
+    running_stack,
+    save_chart,
+)
 
 from core.settings import Settings
 
@@ -220,43 +227,14 @@ async def drive_pipeline(
 
 def run_pipeline(settings: Settings, workload: Workload, api_port: int) -> list[ModeResult]:
     """Start Redis, the worker and the API; drive them one POST per job, then in batches."""
-    from core.apikeys import KeyStore
-    from core.db import Database
-    from core.tiers import Tier
-    from inferq.local import LocalStack
-    from migrations import upgrade
-
-    stack = LocalStack(settings)
-    try:
-        redis_url = stack.ensure_redis()
-        stack.env.update(
-            {
-                "INFERQ_DATA_DIR": str(settings.data_dir),
-                "INFERQ_REDIS_URL": redis_url,
-                "INFERQ_DATABASE_URL": settings.sqlalchemy_url,
-                "INFERQ_MODEL": settings.model_path,
-            }
-        )
-        upgrade(settings.sqlalchemy_url)
-        key, _ = KeyStore(Database(settings.sqlalchemy_url)).create("bench", Tier.PREMIUM)
-        started = time.perf_counter()
-        stack.inferq("worker", "worker", "--device", "cpu")
-        stack.inferq("api", "api", "--port", str(api_port))
-        api_url = f"http://127.0.0.1:{api_port}"
-        if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):
-            raise SystemExit("the API did not become ready within 120 s")
-        if not stack.wait_worker(redis_url, timeout_s=300):
-            raise SystemExit("the worker did not start within 300 s")
-        startup_s = time.perf_counter() - started
+    with running_stack(settings, api_port) as (api_url, key, startup_s):
         results = [
             asyncio.run(drive_pipeline(api_url, key, workload)),
             asyncio.run(drive_pipeline(api_url, key, workload, batch_size=BATCH_SIZE)),
         ]
-        for result in results:
-            result.extra["startup_s"] = round(startup_s, 2)
-        return results
-    finally:
-        stack.stop()
+    for result in results:
+        result.extra["startup_s"] = round(startup_s, 2)
+    return results
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from core.settings import Settings
 
 
 @dataclass
@@ -129,3 +133,46 @@ def save_chart(modes: list[ModeResult], title: str, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+@contextlib.contextmanager
+def running_stack(
+    settings: Settings, api_port: int, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, str, float]]:
+    """A local stack (own redis-server, the database, one CPU worker, the API) for a benchmark.
+
+    Yields the API's URL, a premium key and the start-up time; stops everything afterwards.
+    `env` adds settings for the children (e.g. `INFERQ_WORKER_CONCURRENCY`).
+    """
+    from core.apikeys import KeyStore
+    from core.db import Database
+    from core.tiers import Tier
+    from inferq.local import LocalStack
+    from migrations import upgrade
+
+    stack = LocalStack(settings)
+    try:
+        redis_url = stack.ensure_redis()
+        stack.env.update(
+            {
+                "INFERQ_DATA_DIR": str(settings.data_dir),
+                "INFERQ_REDIS_URL": redis_url,
+                "INFERQ_DATABASE_URL": settings.sqlalchemy_url,
+                "INFERQ_MODEL": settings.model_path,
+                "INFERQ_WORKER_METRICS_PORT": "0",
+                **(env or {}),
+            }
+        )
+        upgrade(settings.sqlalchemy_url)
+        key, _ = KeyStore(Database(settings.sqlalchemy_url)).create("bench", Tier.PREMIUM)
+        started = time.perf_counter()
+        stack.inferq("worker", "worker", "--device", "cpu")
+        stack.inferq("api", "api", "--port", str(api_port))
+        api_url = f"http://127.0.0.1:{api_port}"
+        if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):
+            raise SystemExit("the API did not become ready within 120 s")
+        if not stack.wait_worker(redis_url, timeout_s=300):
+            raise SystemExit("the worker did not start within 300 s")
+        yield api_url, key, time.perf_counter() - started
+    finally:
+        stack.stop()

@@ -5,7 +5,8 @@ Each event is a JSON object with `seq` (1, 2, ...), `job_id` and `type`:
 - `status`: a state change (`status`; `attempt` when a run starts). A `running` event with a
   higher `attempt` than before means an earlier run was lost: its deltas are void and the text
   starts again from the deltas that follow.
-- `delta`: the `text` made since the previous delta of the same `attempt`, and its `tokens`.
+- `delta`: the `text` made since the previous delta of the same `attempt`, its `tokens`, and
+  `at`, when the engine made its first token (Unix time).
 - one final event — `done`, `error`, `cancelled` or `timed_out` — carrying `status`, `usage`
   and `error_code`; nothing follows it.
 

@@ -36,6 +36,8 @@ class NewJob:
     idempotency_key: str | None = None
     request_hash: str | None = None
     id: str = field(default_factory=new_job_id)
+    # The submitting request's trace context, for the message (not stored).
+    trace_headers: dict[str, str] = field(default_factory=dict, compare=False)
 
     def row(self, created_at: datetime) -> Job:
         """The queued job's database row."""
@@ -182,23 +184,22 @@ class JobStore:
             error_message="The job waited in the queue past its deadline.",
         )
 
-    def expire_overdue(self, now: datetime) -> list[str]:
-        """End every queued job whose queue deadline has passed; returns their ids."""
+    def expire_overdue(self, now: datetime) -> list[tuple[str, str]]:
+        """End every queued job whose queue deadline has passed; returns their (id, tier)."""
         with self.db.session() as session:
-            return list(
-                session.scalars(
-                    update(Job)
-                    .where(Job.status == JobStatus.QUEUED.value, Job.queue_deadline_at <= now)
-                    .values(
-                        status=JobStatus.TIMED_OUT.value,
-                        finished_at=now,
-                        error_code="queue_timeout",
-                        error_message="The job waited in the queue past its deadline.",
-                    )
-                    .returning(Job.id)
-                    .execution_options(synchronize_session=False)
+            rows = session.execute(
+                update(Job)
+                .where(Job.status == JobStatus.QUEUED.value, Job.queue_deadline_at <= now)
+                .values(
+                    status=JobStatus.TIMED_OUT.value,
+                    finished_at=now,
+                    error_code="queue_timeout",
+                    error_message="The job waited in the queue past its deadline.",
                 )
+                .returning(Job.id, Job.tier)
+                .execution_options(synchronize_session=False)
             )
+            return [(job_id, tier) for job_id, tier in rows]
 
     def running(self, started_before: datetime) -> list[Job]:
         """Jobs running since before `started_before` (candidates for a lapsed lease)."""

@@ -55,6 +55,22 @@ class Settings(BaseSettings):
     scheduler_interval_s: float = Field(
         default=1.0, gt=0, description="How often `inferq scheduler` expires and reaps jobs."
     )
+    worker_metrics_port: int = Field(
+        default=9101, ge=0, description="Port of a worker's /metrics (0: none)."
+    )
+    scheduler_metrics_port: int = Field(
+        default=9102, ge=0, description="Port of the scheduler's /metrics (0: none)."
+    )
+    log_format: Literal["json", "text"] = Field(
+        default="json", description="json: one object per line with job id, tier and worker."
+    )
+    flower_basic_auth: str | None = Field(
+        default=None,
+        description="user:password for Flower; `inferq flower` needs it.",
+    )
+    otlp_endpoint: str | None = Field(
+        default=None, description="OTLP/HTTP collector for traces, e.g. http://otel:4318."
+    )
     task_events: bool = Field(
         default=False,
         description="Send Celery task events (Flower's task pages); costs Redis traffic per job.",

@@ -25,9 +25,10 @@ def _settings() -> Settings:
 @click.version_option(package_name="inferq")
 def main() -> None:
     """inferq: an asynchronous job queue for LLM inference."""
-    logging.basicConfig(
-        level=os.environ.get("INFERQ_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    from core.logs import configure_logging
+
+    configure_logging(
+        os.environ.get("INFERQ_LOG_LEVEL", "INFO"), os.environ.get("INFERQ_LOG_FORMAT", "json")
     )
 
 
@@ -47,7 +48,14 @@ def api(host: str, port: int, workers: int) -> None:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto")
 @click.option("--concurrency", type=int, default=None, help="Jobs in flight (default: setting).")
 @click.option("--name", default=None, help="Node name (default: from the devices, e.g. gpu0@host).")
-def worker(gpus: str | None, device: str, concurrency: int | None, name: str | None) -> None:
+@click.option("--metrics-port", type=int, default=None, help="Default: INFERQ_WORKER_METRICS_PORT.")
+def worker(
+    gpus: str | None,
+    device: str,
+    concurrency: int | None,
+    name: str | None,
+    metrics_port: int | None,
+) -> None:
     """Run a worker: pin devices, load one vLLM engine, consume the tier queues."""
     from workers.devices import DeviceSpec, engine_build, parse_gpus
     from workers.main import run_worker
@@ -60,7 +68,9 @@ def worker(gpus: str | None, device: str, concurrency: int | None, name: str | N
         spec = DeviceSpec("cpu") if device == "cpu" else DeviceSpec("cuda", parse_gpus(gpus or "0"))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus") from exc
-    sys.exit(run_worker(_settings(), spec, concurrency=concurrency, name=name))
+    sys.exit(
+        run_worker(_settings(), spec, concurrency=concurrency, name=name, metrics_port=metrics_port)
+    )
 
 
 @main.command()
@@ -73,10 +83,12 @@ def scheduler() -> None:
 
     from core.db import Database
     from core.jobs import JobStore
+    from core.metrics import serve_metrics
     from scheduler.queues import make_celery_app
     from scheduler.reaper import Scheduler
 
     settings = _settings()
+    serve_metrics(settings.scheduler_metrics_port)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
@@ -92,8 +104,15 @@ def scheduler() -> None:
 @click.option("--port", default=5555, show_default=True, type=int)
 @click.option("--address", default="127.0.0.1", show_default=True)
 def flower(port: int, address: str) -> None:
-    """Run Flower against the broker."""
+    """Run Flower against the broker, behind basic auth (INFERQ_FLOWER_BASIC_AUTH)."""
     settings = _settings()
+    if not settings.flower_basic_auth or ":" not in settings.flower_basic_auth:
+        raise click.UsageError(
+            "Flower needs credentials: set INFERQ_FLOWER_BASIC_AUTH=user:password "
+            "(`inferq up` makes some for you)."
+        )
+    # Through the environment, not argv, so the password does not show in `ps`.
+    os.environ["FLOWER_BASIC_AUTH"] = settings.flower_basic_auth
     args = [
         sys.executable,
         "-m",
@@ -229,7 +248,7 @@ def up(port: int, flower_port: int) -> None:
     scheduler, the API and Flower."""
     from core.apikeys import KeyStore
     from core.db import Database
-    from inferq.local import LocalStack, read_dev_key, write_dev_key
+    from inferq.local import LocalStack, flower_credentials, read_dev_key, write_dev_key
     from migrations import upgrade
     from workers.localmodel import init_local_model, is_model_dir
 
@@ -246,6 +265,8 @@ def up(port: int, flower_port: int) -> None:
         if key is None or KeyStore(Database(settings.sqlalchemy_url)).authenticate(key) is None:
             key, _ = KeyStore(Database(settings.sqlalchemy_url)).create("dev", Tier.PREMIUM)
             write_dev_key(settings.data_dir, key)
+        flower_auth = settings.flower_basic_auth or flower_credentials(settings.data_dir)
+        stack.env["INFERQ_FLOWER_BASIC_AUTH"] = flower_auth
         stack.inferq("worker", "worker")
         stack.inferq("scheduler", "scheduler")
         stack.inferq("api", "api", "--port", str(port))
@@ -256,9 +277,16 @@ def up(port: int, flower_port: int) -> None:
             raise SystemExit("the API did not become ready")
         if not stack.wait_worker(redis_url, timeout_s=300):
             raise SystemExit("the worker did not start")
+        flower_note = (
+            "credentials: INFERQ_FLOWER_BASIC_AUTH"
+            if settings.flower_basic_auth
+            else f"user admin, password in {settings.data_dir / 'flower-auth'}"
+        )
         click.echo(
             f"\ninferq is up.\n  API     {api_url}  (docs: {api_url}/docs)\n"
-            f"  Flower  http://127.0.0.1:{flower_port}\n  Redis   {redis_url}\n"
+            f"  Flower  http://127.0.0.1:{flower_port}  ({flower_note})\n"
+            f"  Metrics {api_url}/metrics, worker :{settings.worker_metrics_port}, "
+            f"scheduler :{settings.scheduler_metrics_port}\n  Redis   {redis_url}\n"
             f"  DB      {_redacted(settings.sqlalchemy_url)}\n  dev key {key}\n\n"
             f'Try: inferq submit "Hello"   ·   Ctrl-C stops everything.'
         )

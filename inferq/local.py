@@ -147,3 +147,17 @@ def write_dev_key(data_dir: Path, key: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(key + "\n")
     path.chmod(0o600)
+
+
+def flower_credentials(data_dir: Path) -> str:
+    """`admin:<random>` for the local Flower, made once and kept (readable by this user only)."""
+    path = data_dir / "flower-auth"
+    if path.is_file():
+        return path.read_text().strip()
+    import secrets
+
+    credentials = f"admin:{secrets.token_urlsafe(12)}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(credentials + "\n")
+    path.chmod(0o600)
+    return credentials

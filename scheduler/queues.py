@@ -50,15 +50,28 @@ def celery_app() -> Celery:
     return make_celery_app(get_settings())
 
 
-def enqueue_job(app: Celery, job_id: str, tier: Tier | str) -> None:
-    """Put a committed job's id on its tier's queue; the message carries nothing else."""
-    app.send_task(RUN_JOB_TASK, args=[job_id], queue=keys.queue_name(tier))
+def enqueue_job(
+    app: Celery, job_id: str, tier: Tier | str, headers: dict[str, str] | None = None
+) -> None:
+    """Put a committed job's id on its tier's queue.
+
+    The message carries the id and nothing else of the job; `headers` carry its trace context.
+    """
+    app.send_task(RUN_JOB_TASK, args=[job_id], queue=keys.queue_name(tier), headers=headers)
 
 
-def enqueue_jobs(app: Celery, jobs: list[tuple[str, Tier | str]]) -> None:
-    """Enqueue many committed jobs (id, tier) over one broker connection."""
+def enqueue_jobs(
+    app: Celery,
+    jobs: list[tuple[str, Tier | str]],
+    headers: list[dict[str, str]] | None = None,
+) -> None:
+    """Enqueue many committed jobs (id, tier) over one broker connection (headers: per job)."""
     with app.producer_or_acquire() as producer:
-        for job_id, tier in jobs:
+        for index, (job_id, tier) in enumerate(jobs):
             app.send_task(
-                RUN_JOB_TASK, args=[job_id], queue=keys.queue_name(tier), producer=producer
+                RUN_JOB_TASK,
+                args=[job_id],
+                queue=keys.queue_name(tier),
+                producer=producer,
+                headers=headers[index] if headers else None,
             )

@@ -25,7 +25,8 @@ from celery import Celery
 from core import keys
 from core.events import EventPublisher
 from core.jobs import JobStore
-from core.models import utcnow
+from core.metrics import JOBS_FINISHED, JOBS_REQUEUED
+from core.models import Job, utcnow
 from core.settings import Settings
 from core.states import JobStatus
 from scheduler.queues import enqueue_job
@@ -58,9 +59,12 @@ class Scheduler:
         """Do one round of periodic work."""
         report = TickReport()
         now = utcnow()
-        report.expired = self.store.expire_overdue(now)
-        for job_id in report.expired:
-            log.info("job %s timed out in the queue", job_id)
+        for job_id, tier in self.store.expire_overdue(now):
+            report.expired.append(job_id)
+            JOBS_FINISHED.labels(tier, JobStatus.TIMED_OUT.value).inc()
+            log.info(
+                "job %s timed out in the queue", job_id, extra={"job_id": job_id, "tier": tier}
+            )
             self._publish(
                 job_id, "timed_out", status=JobStatus.TIMED_OUT.value, error_code="queue_timeout"
             )
@@ -84,17 +88,20 @@ class Scheduler:
                     f"(max_attempts {self.settings.max_attempts})."
                 )
                 if self.store.fail_attempt(job, "worker_lost", message):
-                    log.warning("job %s failed: %s", job.id, message)
+                    JOBS_FINISHED.labels(job.tier, JobStatus.FAILED.value).inc()
+                    log.warning("job %s failed: %s", job.id, message, extra=_job_fields(job))
                     report.failed.append(job.id)
                     self._publish(
                         job.id, "error", status=JobStatus.FAILED.value, error_code="worker_lost"
                     )
             elif self.store.requeue_attempt(job):
+                JOBS_REQUEUED.inc()
                 log.warning(
                     "job %s: worker %s lost it in attempt %d; requeued",
                     job.id,
                     job.worker,
                     job.attempt,
+                    extra=_job_fields(job),
                 )
                 report.requeued.append(job.id)
                 self._publish(
@@ -128,3 +135,7 @@ class Scheduler:
             except Exception:
                 log.exception("scheduler tick failed; retrying")
             stopped.wait(self.settings.scheduler_interval_s)
+
+
+def _job_fields(job: Job) -> dict[str, Any]:
+    return {"job_id": job.id, "tier": job.tier, "worker": job.worker, "attempt": job.attempt}

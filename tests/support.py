@@ -7,9 +7,10 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +34,10 @@ POSTGRES_ADMIN_URL = os.environ.get(
     "INFERQ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
 WORKER_CONCURRENCY = 32
-BLOCKER_TOKENS = 4000
+BLOCKER_TOKENS = 16000
+"""Long enough to keep a worker busy while a test builds a backlog (tens of seconds here)."""
 LEASE_TTL_S = 6
+FLOWER_AUTH = "inferq-test:flower-secret"
 FINAL_STATES = ("succeeded", "failed", "cancelled", "timed_out")
 
 
@@ -96,6 +99,7 @@ class Stack:
     database_url: str
     model_dir: Path
     local: LocalStack
+    worker_metrics_url: str
     redis: redis.Redis = field(init=False)
 
     def __post_init__(self) -> None:
@@ -161,7 +165,9 @@ class Stack:
         raise AssertionError(f"worker not idle after {timeout_s}s: {self.worker_stats()}")
 
 
-def start_stack(tmp: Path, redis_url: str, database_url: str, model_dir: Path) -> LocalStack:
+def start_stack(
+    tmp: Path, redis_url: str, database_url: str, model_dir: Path, otlp_endpoint: str
+) -> LocalStack:
     """Migrate the database, then start one worker and the API as child processes."""
     upgrade(database_url)
     settings = Settings(data_dir=tmp, redis_url=redis_url, database_url=database_url)
@@ -171,13 +177,18 @@ def start_stack(tmp: Path, redis_url: str, database_url: str, model_dir: Path) -
         INFERQ_REDIS_URL=redis_url,
         INFERQ_DATABASE_URL=database_url,
         INFERQ_MODEL=str(model_dir),
-        INFERQ_MAX_MODEL_LEN="4096",
-        # Long premium jobs keep the worker busy while a test builds a backlog behind them.
-        INFERQ_TIERS=json.dumps({"premium": {"max_tokens": BLOCKER_TOKENS}}),
+        INFERQ_MAX_MODEL_LEN="16384",
+        # Long premium jobs keep the worker busy while a test builds a backlog behind them, and
+        # outlive the slowest moments of a shared 2-core machine.
+        INFERQ_TIERS=json.dumps({"premium": {"max_tokens": BLOCKER_TOKENS, "timeout_s": 120}}),
         INFERQ_LOG_LEVEL="INFO",
         # Short leases, so a killed worker's jobs are requeued within seconds.
         INFERQ_LEASE_TTL_S=str(LEASE_TTL_S),
         INFERQ_SCHEDULER_INTERVAL_S="0.5",
+        INFERQ_SCHEDULER_METRICS_PORT=str(free_port()),
+        INFERQ_FLOWER_BASIC_AUTH=FLOWER_AUTH,
+        INFERQ_OTLP_ENDPOINT=otlp_endpoint,
+        OTEL_BSP_SCHEDULE_DELAY="200",
     )
     return local
 
@@ -208,8 +219,12 @@ def read_sse(
     *,
     last_event_id: int | str | None = None,
     max_events: int | None = None,
+    until: Callable[[dict[str, Any]], bool] | None = None,
 ) -> list[dict[str, Any]]:
-    """A job's Server-Sent Events until the final one (or `max_events`), checking each frame."""
+    """A job's Server-Sent Events up to the final one, checking each frame.
+
+    Stops early after `max_events`, or at the first event that satisfies `until`.
+    """
     headers = {} if last_event_id is None else {"Last-Event-ID": str(last_event_id)}
     events: list[dict[str, Any]] = []
     frame: dict[str, str] = {}
@@ -230,6 +245,8 @@ def read_sse(
             frame = {}
             if event["type"] in FINAL_EVENTS or len(events) == max_events:
                 break
+            if until is not None and until(event):
+                break
     return events
 
 
@@ -241,3 +258,68 @@ def streamed_text(events: list[dict[str, Any]]) -> str:
     attempts = [e["attempt"] for e in events if e["type"] == "status" and "attempt" in e]
     last = max(attempts, default=0)
     return "".join(e["text"] for e in events if e["type"] == "delta" and e["attempt"] == last)
+
+
+@dataclass
+class Span:
+    """One exported span, as the receiver decoded it."""
+
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    attributes: dict[str, Any]
+
+
+class OtlpReceiver:
+    """A minimal OTLP/HTTP trace collector: keeps every span posted to /v1/traces."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.spans: list[Span] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                receiver.receive(body)
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def receive(self, body: bytes) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        request = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in request.resource_spans:
+            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    self.spans.append(
+                        Span(
+                            service=resource.get("service.name", ""),
+                            name=span.name,
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_span_id=span.parent_span_id.hex(),
+                            attributes={
+                                a.key: a.value.string_value or a.value.int_value
+                                for a in span.attributes
+                            },
+                        )
+                    )
+
+    def close(self) -> None:
+        self.server.shutdown()

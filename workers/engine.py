@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from datetime import UTC, datetime
@@ -25,7 +26,9 @@ from workers.generation import Delta, DeltaSink, GenerationRequest, GenerationRe
 log = logging.getLogger(__name__)
 
 
-def engine_args(settings: Settings, *, device: str, num_gpus: int) -> dict[str, Any]:
+def engine_args(
+    settings: Settings, *, device: str, num_gpus: int, log_stats: bool = False
+) -> dict[str, Any]:
     """vLLM engine arguments from inferq's settings."""
     memory = settings.gpu_memory_utilization
     if memory is None:
@@ -40,7 +43,7 @@ def engine_args(settings: Settings, *, device: str, num_gpus: int) -> dict[str, 
         "enable_prefix_caching": settings.enable_prefix_caching,
         "max_num_seqs": settings.max_num_seqs,
         "scheduling_policy": "priority",
-        "disable_log_stats": True,
+        "disable_log_stats": not log_stats,
     }
     return {k: v for k, v in args.items() if v is not None}
 
@@ -55,10 +58,15 @@ class VllmEngine:
         device: str = "cuda",
         num_gpus: int = 1,
         on_deltas: DeltaSink | None = None,
+        stats_label: str | None = None,
     ) -> None:
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gb))
-        self._args = engine_args(settings, device=device, num_gpus=num_gpus)
+        self._args = engine_args(
+            settings, device=device, num_gpus=num_gpus, log_stats=stats_label is not None
+        )
+        # With a label, the engine's KV-cache use and queue feed inferq's gauges.
+        self._stats_label = stats_label
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vllm-loop", daemon=True
@@ -72,6 +80,7 @@ class VllmEngine:
         self._on_deltas = on_deltas
         # Deltas of the current engine step; handed to the sink once the step's outputs are in.
         self._step: list[Delta] = []
+        self._step_at = 0.0
 
     def start(self) -> None:
         """Load the model and start the engine; blocks until it is ready."""
@@ -83,7 +92,8 @@ class VllmEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args))
+        loggers = None if self._stats_label is None else [_gauges_logger(self._stats_label)]
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args), stat_loggers=loggers)
 
     def _run(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -167,6 +177,8 @@ class VllmEngine:
         if not self._step:
             # vLLM wakes every request of a step before this callback runs, so it sees them all.
             self._loop.call_soon(self._flush_step)
+            self._step_at = time.time()
+        delta.at = self._step_at
         self._step.append(delta)
 
     def _flush_step(self) -> None:
@@ -209,3 +221,30 @@ def _absorb(result: GenerationResult, output: Any) -> tuple[str, int]:
     if completion.finish_reason is not None:
         result.finish_reason = completion.finish_reason
     return completion.text, len(completion.token_ids)
+
+
+def _gauges_logger(worker: str) -> Any:
+    """A vLLM stat logger class that copies each step's scheduler stats into inferq's gauges."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    from core.metrics import ENGINE_WAITING, KV_CACHE_USAGE
+
+    class GaugesLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            if scheduler_stats is not None:
+                KV_CACHE_USAGE.labels(worker).set(scheduler_stats.kv_cache_usage)
+                ENGINE_WAITING.labels(worker).set(scheduler_stats.num_waiting_reqs)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return GaugesLogger

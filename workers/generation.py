@@ -32,6 +32,8 @@ class Delta:
     attempt: int
     text: str
     tokens: int
+    at: float = 0.0
+    """When the engine's output for the step arrived (Unix time); the stream-latency clock."""
 
 
 DeltaSink = Callable[[list[Delta]], None]

@@ -2,12 +2,18 @@
 
 It exists so that inferq runs the real vLLM engine where no model hub is reachable: laptops,
 CI, air-gapped hosts. Its output is noise, but its shapes, tokenizer and speed are real.
+
+Prompts may hold any UTF-8 (every byte is a token), but the model writes printable ASCII,
+newlines and, rarely, end-of-sequence: one hidden channel carries a constant that the output
+layer turns into a strong preference for those tokens. Unshaped, a random model writes stray
+high bytes that never form valid UTF-8, and its text would stay empty.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 BYTE_TOKENS = 256
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
@@ -18,7 +24,7 @@ NUM_LAYERS = 2
 NUM_HEADS = 2
 NUM_KV_HEADS = 1
 INTERMEDIATE_SIZE = 256
-MAX_POSITIONS = 4096
+MAX_POSITIONS = 16384
 
 
 def _byte_token(b: int) -> str:
@@ -67,6 +73,7 @@ def init_local_model(directory: Path, *, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
+    _shape_output(model)
     model.save_pretrained(directory, safe_serialization=True)
 
     (directory / "tokenizer.json").write_text(build_tokenizer_json())
@@ -84,6 +91,27 @@ def init_local_model(directory: Path, *, seed: int = 0) -> Path:
         json.dumps({"bos_token": BOS, "eos_token": EOS, "unk_token": UNK}, indent=2)
     )
     return directory
+
+
+WRITABLE_BYTES = (0x0A, *range(0x20, 0x7F))
+"""What the model writes: newline and printable ASCII."""
+_CONSTANT_CHANNEL = 0
+_CONSTANT = 4.0
+
+
+def _shape_output(model: Any) -> None:
+    """Make the model prefer writable bytes (and end-of-sequence, less) over every other token."""
+    import torch
+
+    with torch.no_grad():
+        # Every token's embedding carries a large constant in one channel, so after the final
+        # RMS norm that channel is large and positive whatever the random layers add...
+        model.model.embed_tokens.weight[:, _CONSTANT_CHANNEL] = _CONSTANT
+        # ...and the output layer reads it as +1 for writable tokens, -1 for the rest.
+        preference = model.lm_head.weight[:, _CONSTANT_CHANNEL]
+        preference.fill_(-1.0)
+        preference[list(WRITABLE_BYTES)] = 1.0
+        preference[BYTE_TOKENS + 1] = 0.8  # end-of-sequence: possible, but rare
 
 
 def is_model_dir(directory: Path) -> bool:

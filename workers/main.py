@@ -12,10 +12,15 @@ from core import keys
 from core.db import Database
 from core.events import EventPublisher
 from core.jobs import JobStore
+from core.logs import set_context
+from core.metrics import serve_metrics
 from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY
+from core.tracing import init_tracing
+from core.tracing import shutdown as shutdown_tracing
 from scheduler.queues import make_celery_app
 from workers.devices import DeviceSpec, pin_devices
+from workers.metrics import DeviceMemory
 from workers.runner import JobRunner
 from workers.streams import DeltaPublisher
 from workers.tasks import register_tasks
@@ -24,11 +29,12 @@ log = logging.getLogger(__name__)
 
 
 class _Heartbeat(threading.Thread):
-    """Renews the leases of jobs in flight and publishes the worker's counters."""
+    """Renews the leases of jobs in flight, publishes the worker's counters, samples memory."""
 
-    def __init__(self, runner: JobRunner, interval_s: float) -> None:
+    def __init__(self, runner: JobRunner, memory: DeviceMemory, interval_s: float) -> None:
         super().__init__(name="inferq-heartbeat", daemon=True)
         self.runner = runner
+        self.memory = memory
         self.interval_s = interval_s
         self.stopped = threading.Event()
 
@@ -38,6 +44,10 @@ class _Heartbeat(threading.Thread):
                 self.runner.renew_leases()
             except redis.RedisError:
                 log.warning("heartbeat could not reach Redis; retrying", exc_info=True)
+            try:
+                self.memory.sample()
+            except Exception:
+                log.debug("could not sample device memory", exc_info=True)
 
 
 class _CancelListener(threading.Thread):
@@ -70,16 +80,24 @@ def run_worker(
     *,
     concurrency: int | None = None,
     name: str | None = None,
+    metrics_port: int | None = None,
 ) -> int:
     """Run a worker until it is told to stop; returns the exit code."""
     pin_devices(spec)
+    set_context(worker=name or spec.node_name())
+    init_tracing("inferq-worker", settings.otlp_endpoint)
+    serve_metrics(settings.worker_metrics_port if metrics_port is None else metrics_port)
     from workers.engine import VllmEngine  # imports vllm: only after pinning
 
     node_name = name or spec.node_name()
     client = redis.Redis.from_url(settings.redis_url)
     deltas = DeltaPublisher(EventPublisher(client, settings.job_key_ttl_s))
     engine = VllmEngine(
-        settings, device=spec.kind, num_gpus=len(spec.gpus), on_deltas=deltas.publish_step
+        settings,
+        device=spec.kind,
+        num_gpus=len(spec.gpus),
+        on_deltas=deltas.publish_step,
+        stats_label=node_name,
     )
     engine.start()
     runner = JobRunner(
@@ -90,7 +108,9 @@ def run_worker(
         worker_name=node_name,
         deltas=deltas,
     )
-    heartbeat = _Heartbeat(runner, interval_s=min(1.0, settings.lease_ttl_s / 3))
+    heartbeat = _Heartbeat(
+        runner, DeviceMemory(node_name, spec.gpus), interval_s=min(1.0, settings.lease_ttl_s / 3)
+    )
     listener = _CancelListener(runner, client)
     listener.start()
 
@@ -120,5 +140,6 @@ def run_worker(
         listener.stopped.set()
         runner.retire()
         engine.shutdown()
+        shutdown_tracing()
         log.info("worker %s stopped", node_name)
     return int(worker.exitcode or 0)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -21,8 +22,11 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from core import keys
 from core.events import EventPublisher
 from core.jobs import JobOutcome, JobStore
+from core.logs import job_fields
+from core.models import Job, utcnow
 from core.states import JobStatus, final_event_type
 from workers.generation import GenerationResult
+from workers.metrics import observe_outcome
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ class _Finished:
     outcome: JobOutcome
     lease_token: str
     ticket: Future[JobStatus | None]
+    tier: str
+    created_at: datetime
 
 
 class OutcomeRecorder:
@@ -61,12 +67,14 @@ class OutcomeRecorder:
         self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="inferq-recorder", daemon=True).start()
 
-    def record(
-        self, job_id: str, attempt: int, result: GenerationResult, lease_token: str
-    ) -> JobStatus | None:
+    def record(self, job: Job, result: GenerationResult, lease_token: str) -> JobStatus | None:
         """Store and publish the outcome, release the lease; None if the attempt was superseded."""
         ticket: Future[JobStatus | None] = Future()
-        self._finished.put(_Finished(job_id, attempt, _outcome(result), lease_token, ticket))
+        self._finished.put(
+            _Finished(
+                job.id, job.attempt, _outcome(result), lease_token, ticket, job.tier, job.created_at
+            )
+        )
         return ticket.result()
 
     def _loop(self) -> None:
@@ -123,17 +131,20 @@ class OutcomeRecorder:
         except redis.RedisError:
             # The database has the outcomes; readers that missed an event find it there.
             log.warning("could not publish %d final events", len(written), exc_info=True)
+        finished_at = utcnow()
         for item in batch:
             outcome = written.get(item.job_id)
             if outcome is None:
                 log.info("job %s attempt %d was superseded", item.job_id, item.attempt)
             else:
+                observe_outcome(item.tier, item.created_at, outcome, finished_at)
                 log.info(
                     "job %s %s: %d tokens, finish %s",
                     item.job_id,
                     outcome.status.value,
                     outcome.completion_tokens,
                     outcome.finish_reason,
+                    extra=job_fields(item.job_id, item.tier, attempt=item.attempt),
                 )
         return {job_id: outcome.status for job_id, outcome in written.items()}
 

@@ -24,11 +24,14 @@ import redis
 from core import keys
 from core.events import EventPublisher
 from core.jobs import JobStore
+from core.logs import job_fields
+from core.metrics import IN_FLIGHT
 from core.models import Job, as_utc
 from core.settings import Settings
 from core.states import JobStatus
 from core.tiers import engine_priority
 from workers.generation import Engine, GenerationRequest, GenerationResult
+from workers.metrics import observe_ended_unrun, observe_start
 from workers.outcomes import OutcomeRecorder
 from workers.streams import DeltaPublisher
 
@@ -127,7 +130,7 @@ class JobRunner:
             self._running.pop(job.id, None)
             with self.stats.lock:
                 self.stats.in_flight -= 1
-        return self.outcomes.record(job.id, job.attempt, result, started.token)
+        return self.outcomes.record(job, result, started.token)
 
     def _start_loop(self) -> None:
         while True:
@@ -175,6 +178,8 @@ class JobRunner:
             else:
                 to_start.append(job_id)
         started = {job.id: job for job in self.store.start_attempts(to_start, self.worker_name)}
+        for job in started.values():
+            observe_start(job.tier, job.created_at, job.started_at or job.created_at)
         for job_id in to_start:
             if job_id not in started:  # ended meanwhile
                 self._release_lease(job_id, tokens[job_id])
@@ -182,6 +187,7 @@ class JobRunner:
         self._announce_starts(list(started.values()))
         for job in started.values():
             answers[job.id] = _Started(job, tokens[job.id], self._submit(job))
+        self._catch_early_cancels(list(started))
         with self.stats.lock:
             self.stats.skipped += len(ids) - len(answers) + (len(job_ids) - len(ids))
         return answers
@@ -189,9 +195,11 @@ class JobRunner:
     def _end_without_engine(self, job: Job, cancel_requested: bool) -> JobStatus | None:
         """Cancel or expire a claimed job that must not run; None if it should start."""
         if cancel_requested and self.store.cancel_if_queued(job.id):
+            observe_ended_unrun(job.tier, JobStatus.CANCELLED)
             self.outcomes.publish_final(job.id, JobStatus.CANCELLED)
             return JobStatus.CANCELLED
         if _queue_expired(job) and self.store.expire_if_queued(job.id):
+            observe_ended_unrun(job.tier, JobStatus.TIMED_OUT)
             self.outcomes.publish_final(job.id, JobStatus.TIMED_OUT, error_code="queue_timeout")
             return JobStatus.TIMED_OUT
         return None
@@ -211,35 +219,53 @@ class JobRunner:
             self.stats.engine_requests += 1
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
         self._running[job.id] = request.request_id
-        log.info("job %s started: attempt %d, tier %s", job.id, job.attempt, job.tier)
+        log.info(
+            "job %s started: attempt %d, tier %s",
+            job.id,
+            job.attempt,
+            job.tier,
+            extra=job_fields(job.id, job.tier, attempt=job.attempt),
+        )
         return self.engine.submit(request)
 
     def _announce_starts(self, jobs: list[Job]) -> None:
-        """Publish the running events and catch cancels that came before the jobs were registered.
-
-        The jobs are in `_running` already, so a cancel is seen either here or by the listener.
-        Both are best effort: generation goes on if Redis is briefly unreachable.
-        """
+        """Queue the running events on the delta channel, ahead of any delta of these runs."""
         if not jobs:
+            return
+        events = [
+            (job.id, "status", {"status": JobStatus.RUNNING.value, "attempt": job.attempt})
+            for job in jobs
+        ]
+        if self.deltas is not None:
+            self.deltas.publish_events(events)
             return
         try:
             pipe = self.redis.pipeline(transaction=False)
-            for job in jobs:
-                self.publisher.publish(
-                    job.id,
-                    "status",
-                    status=JobStatus.RUNNING.value,
-                    attempt=job.attempt,
-                    client=pipe,
-                )
-                pipe.exists(keys.job_cancel_flag(job.id))
-            replies = pipe.execute()
-        except redis.RedisError:
+            for job_id, event_type, fields in events:
+                self.publisher.publish(job_id, event_type, client=pipe, **fields)
+            pipe.execute()
+        except redis.RedisError:  # best effort: the runs go on
             log.warning("could not announce %d job starts", len(jobs), exc_info=True)
+
+    def _catch_early_cancels(self, job_ids: list[str]) -> None:
+        """Abort jobs whose cancel came before they were registered here.
+
+        The jobs are in `_running` and the engine already, so every cancel is seen either here
+        or by the cancel listener. Best effort: a Redis outage leaves them running.
+        """
+        if not job_ids:
             return
-        for index, job in enumerate(jobs):
-            if replies[2 * index + 1]:
-                self.cancel(job.id)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in job_ids:
+                pipe.exists(keys.job_cancel_flag(job_id))
+            flags = pipe.execute()
+        except redis.RedisError:
+            log.warning("could not check %d jobs for cancels", len(job_ids), exc_info=True)
+            return
+        for job_id, flagged in zip(job_ids, flags, strict=True):
+            if flagged:
+                self.cancel(job_id)
 
     def _release_lease(self, job_id: str, token: str) -> None:
         try:
@@ -258,7 +284,9 @@ class JobRunner:
         pipe = self.redis.pipeline(transaction=False)
         for job_id in list(self._running):
             pipe.pexpire(keys.job_lease(job_id), lease_ms)
-        pipe.hset(keys.worker_stats(self.worker_name), mapping=self.stats.as_mapping())
+        counters = self.stats.as_mapping()
+        IN_FLIGHT.labels(self.worker_name).set(counters["in_flight"])
+        pipe.hset(keys.worker_stats(self.worker_name), mapping=counters)
         pipe.expire(keys.worker_stats(self.worker_name), STATS_TTL_S)
         pipe.execute()
 

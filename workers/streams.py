@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
+from typing import Any
 
 import redis
 
@@ -20,13 +21,18 @@ from workers.generation import Delta
 
 log = logging.getLogger(__name__)
 
+Event = tuple[str, str, dict[str, Any]]
+"""A job's event other than a delta: (job id, type, fields)."""
+
 
 class DeltaPublisher:
     """Publishes deltas in the order they were made, one pipeline per batch of steps."""
 
     def __init__(self, publisher: EventPublisher) -> None:
         self.publisher = publisher
-        self._queue: queue.SimpleQueue[list[Delta] | Future[None]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[Delta] | list[Event] | Future[None]] = (
+            queue.SimpleQueue()
+        )
         self.events_published = 0
         threading.Thread(target=self._loop, name="inferq-deltas", daemon=True).start()
 
@@ -34,6 +40,11 @@ class DeltaPublisher:
         """Queue one step's deltas; never blocks (the engine's loop calls this)."""
         if deltas:
             self._queue.put(deltas)
+
+    def publish_events(self, events: list[Event]) -> None:
+        """Queue other events (job id, type, fields), in order with the deltas around them."""
+        if events:
+            self._queue.put(events)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every delta queued before this call has been published (or dropped)."""
@@ -55,9 +66,22 @@ class DeltaPublisher:
                     self._publish(pending)
                     pending = []
                     item.set_result(None)
-                else:
+                elif item and isinstance(item[0], Delta):
                     pending.extend(item)
+                else:
+                    self._publish(pending)  # what came before goes out first
+                    pending = []
+                    self._publish_events(item)  # type: ignore[arg-type]
             self._publish(pending)
+
+    def _publish_events(self, events: list[Event]) -> None:
+        try:
+            pipe = self.publisher.client.pipeline(transaction=False)
+            for job_id, event_type, fields in events:
+                self.publisher.publish(job_id, event_type, client=pipe, **fields)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not publish %d events", len(events), exc_info=True)
 
     def _publish(self, deltas: list[Delta]) -> None:
         merged = merge_deltas(deltas)
@@ -73,6 +97,7 @@ class DeltaPublisher:
                     attempt=delta.attempt,
                     text=delta.text,
                     tokens=delta.tokens,
+                    at=round(delta.at, 6),
                 )
             pipe.execute()
             self.events_published += len(merged)
@@ -88,7 +113,7 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
         key = (delta.job_id, delta.attempt)
         seen = merged.get(key)
         if seen is None:
-            merged[key] = Delta(delta.job_id, delta.attempt, delta.text, delta.tokens)
+            merged[key] = Delta(delta.job_id, delta.attempt, delta.text, delta.tokens, delta.at)
         else:
             seen.text += delta.text
             seen.tokens += delta.tokens

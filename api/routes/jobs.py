@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import PrincipalDep, ServicesDep
@@ -17,6 +17,7 @@ from api.schemas import (
     decode_cursor,
     encode_cursor,
 )
+from api.streaming import event_stream
 from api.submission import cancel_job, submit_job, submit_jobs
 from core.errors import NotFound
 from core.events import wait_for_final_event
@@ -28,15 +29,37 @@ MAX_WAIT_S = 60.0
 CANCEL_WAIT_S = 5.0
 
 
-@router.post("", status_code=202, response_model=JobOut)
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobOut,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "with stream=true"}},
+)
 async def create_job(
     body: JobCreate,
     principal: PrincipalDep,
     services: ServicesDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
-) -> JSONResponse:
-    """Queue a job on the caller's tier; a repeated Idempotency-Key returns the same job."""
+    stream: Annotated[bool, Query(description="Answer with the job's events (SSE).")] = False,
+    cancel_on_disconnect: Annotated[
+        bool, Query(description="With stream: cancel the job if the client goes away first.")
+    ] = True,
+) -> Response:
+    """Queue a job on the caller's tier; a repeated Idempotency-Key returns the same job.
+
+    With `stream=true` the answer is the job's event stream (as `GET /v1/jobs/{id}/events`),
+    and a client that disconnects before the final event cancels the job unless
+    `cancel_on_disconnect=false`.
+    """
     job, created = await submit_job(services, principal, body, idempotency_key)
+    if stream:
+        return event_stream(
+            services,
+            job,
+            0,
+            cancel_owner=principal.owner if cancel_on_disconnect else None,
+            headers={"Location": f"/v1/jobs/{job.id}"},
+        )
     return JSONResponse(
         JobOut.from_job(job).model_dump(mode="json"),
         status_code=202 if created else 200,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, WebSocket, WebSocketDisconnect
@@ -20,10 +19,10 @@ from api.deps import PrincipalDep, ServicesDep, get_principal
 from api.errors import describe_validation_error, error_body, error_response
 from api.schemas import JobCreate, JobOut
 from api.services import Services
-from api.streaming import SSE_HEARTBEAT, follow_events, parse_last_event_id, sse_frame
+from api.streaming import cancel_quietly, event_stream, follow_events, parse_last_event_id
 from api.submission import cancel_job, submit_job
 from core.apikeys import Principal
-from core.errors import ClientError, InvalidRequest, JobAlreadyFinal, NotFound
+from core.errors import ClientError, InvalidRequest, NotFound
 from core.models import Job
 from core.states import JobStatus
 
@@ -58,16 +57,7 @@ async def job_events(
     """
     after = parse_last_event_id(last_event_id)
     job = await _owned_job(services, principal, job_id)
-
-    async def frames() -> AsyncIterator[str]:
-        async for event in follow_events(services, job, after):
-            yield SSE_HEARTBEAT if event is None else sse_frame(event)
-
-    return StreamingResponse(
-        frames(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return event_stream(services, job, after)
 
 
 class _Socket:
@@ -155,11 +145,7 @@ class _Socket:
         for task in self.followers.values():
             task.cancel()
         for job_id in list(self.owned):
-            try:
-                await cancel_job(self.services, self.principal.owner, job_id)
-                log.info("job %s cancelled: its WebSocket closed", job_id)
-            except JobAlreadyFinal:
-                pass
+            await cancel_quietly(self.services, self.principal.owner, job_id, "its socket closed")
 
 
 _FINAL = {status.value for status in JobStatus if status.is_final}

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -25,13 +26,26 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def _get_when_up(url: str, **kwargs: Any) -> httpx.Response:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return httpx.get(url, timeout=5, **kwargs)
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_dir: Path) -> None:
-    api_port, flower_port = free_port(), free_port()
+    api_port, flower_port, worker_metrics = free_port(), free_port(), free_port()
     # Nothing listens on this Redis port, so `up` starts a Redis server of its own.
     env = _env(
         tmp_path,
         INFERQ_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0",
         INFERQ_MODEL=str(model_dir),
+        INFERQ_WORKER_METRICS_PORT=str(worker_metrics),
+        INFERQ_SCHEDULER_METRICS_PORT=str(free_port()),
     )
     up = subprocess.Popen(
         [*INFERQ, "up", "--port", str(api_port), "--flower-port", str(flower_port)],
@@ -56,6 +70,13 @@ def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_d
         assert "inferq is up." in banner, banner
         key = re.search(r"dev key (\S+)", banner)
         assert key is not None
+        # Flower is behind the credentials `up` made; the worker's metrics are up.
+        assert _get_when_up(f"http://127.0.0.1:{flower_port}/").status_code == 401
+        credentials = (tmp_path / ".inferq" / "flower-auth").read_text().strip().split(":", 1)
+        flower = _get_when_up(f"http://127.0.0.1:{flower_port}/", auth=tuple(credentials))
+        assert flower.status_code == 200
+        metrics = _get_when_up(f"http://127.0.0.1:{worker_metrics}/metrics").text
+        assert "inferq_jobs_in_flight" in metrics
 
         submitted = subprocess.run(
             [

@@ -11,6 +11,7 @@ import pytest
 from inferq.local import free_port
 from tests.support import (
     WORKER_CONCURRENCY,
+    OtlpReceiver,
     Stack,
     postgres_database,
     redis_server,
@@ -41,16 +42,28 @@ def database_url(
 
 
 @pytest.fixture(scope="session")
+def otlp() -> Iterator[OtlpReceiver]:
+    """Where the stack's processes export their traces."""
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="session")
 def stack(
-    redis_url: str, database_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    redis_url: str,
+    database_url: str,
+    model_dir: Path,
+    otlp: OtlpReceiver,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
     """API and worker processes on this session's Redis and the current database."""
     import redis as redis_lib
 
     redis_lib.Redis.from_url(redis_url).flushdb()
     tmp = tmp_path_factory.mktemp("stack")
-    local = start_stack(tmp, redis_url, database_url, model_dir)
-    port = free_port()
+    local = start_stack(tmp, redis_url, database_url, model_dir, otlp.url)
+    port, metrics_port = free_port(), free_port()
     local.start(
         "worker",
         [
@@ -62,6 +75,8 @@ def stack(
             "cpu",
             "--concurrency",
             str(WORKER_CONCURRENCY),
+            "--metrics-port",
+            str(metrics_port),
         ],
     )
     local.start("api", [sys.executable, "-m", "inferq", "api", "--port", str(port)])
@@ -72,6 +87,7 @@ def stack(
         database_url=database_url,
         model_dir=model_dir,
         local=local,
+        worker_metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
     )
     try:
         wait_ready(running)

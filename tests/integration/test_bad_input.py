@@ -17,7 +17,7 @@ CASES: list[tuple[str, Any, int, str]] = [
     ("negative max_tokens", {"prompt": "x", "max_tokens": -3}, 400, "invalid_request"),
     ("over the tier cap", {"prompt": "x", "max_tokens": 513}, 400, "tier_limit_exceeded"),
     ("longer timeout than the tier", {"prompt": "x", "timeout_s": 500}, 400, "tier_limit_exceeded"),
-    ("prompt over the context", {"prompt": "word " * 1000}, 400, "context_length_exceeded"),
+    ("prompt over the context", {"prompt": "word " * 4000}, 400, "context_length_exceeded"),
     ("prompt is a number", {"prompt": 42}, 400, "invalid_request"),
     ("max_tokens is a string", {"prompt": "x", "max_tokens": "5"}, 400, "invalid_request"),
     ("temperature is a word", {"prompt": "x", "temperature": "hot"}, 400, "invalid_request"),

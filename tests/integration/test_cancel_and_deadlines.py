@@ -58,6 +58,8 @@ def test_cancelling_a_running_job_keeps_its_text_and_frees_its_slot(stack: Stack
         time.sleep(1.0)
         assert client.get(f"/v1/jobs/{waiting['id']}").json()["status"] == "queued"
 
+        # Cancel once it has made some text (its first tokens may be partial characters).
+        read_sse(blocker_client, blockers[0]["id"], until=lambda e: bool(e.get("text")))
         response = blocker_client.delete(f"/v1/jobs/{blockers[0]['id']}")
         assert response.status_code == 200, response.text
         cancelled = response.json()

@@ -67,3 +67,59 @@ def test_readme_configuration_table_lists_every_setting() -> None:
         if f"| `INFERQ_{name.upper()}` |" not in readme
     ]
     assert missing == []
+
+
+def _defined_metric_samples() -> set[str]:
+    """Every sample name the code's metrics can expose (`_bucket`, `_total`, … included)."""
+    from prometheus_client import REGISTRY
+
+    import core.metrics
+
+    del core.metrics  # imported for its registrations
+    return {
+        sample.name
+        for family in REGISTRY.collect()
+        if family.name.startswith("inferq_")
+        for sample in family.samples
+    } | {
+        f"{family.name}{suffix}"
+        for family in REGISTRY.collect()
+        if family.name.startswith("inferq_")
+        for suffix in ("_bucket", "_count", "_sum", "_total", "")
+    }
+
+
+def test_every_dashboard_panel_queries_metrics_the_code_defines() -> None:
+    import json
+
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/inferq.json").read_text())
+    defined = _defined_metric_samples()
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    assert any("TTFT" in title for title in titles)
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            used = set(re.findall(r"\binferq_[a-z_]+", target["expr"]))
+            assert used, target["expr"]
+            assert used <= defined, (panel["title"], used - defined)
+
+
+def test_prometheus_scrapes_the_api_every_worker_and_the_scheduler() -> None:
+    config = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    targets = {
+        target
+        for job in config["scrape_configs"]
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    workers = [n for n, s in INFERQ_SERVICES.items() if s["command"][0] == "worker"]
+    expected = {"api:8000", "scheduler:9102"} | {f"{name}:9101" for name in workers}
+    assert expected <= targets
+    for mount in SERVICES["prometheus"]["volumes"] + SERVICES["grafana"]["volumes"]:
+        source = mount.split(":")[0]
+        if source.startswith("./"):
+            assert (ROOT / source).exists(), source
+
+
+def test_flower_requires_credentials() -> None:
+    assert "INFERQ_FLOWER_BASIC_AUTH" in SERVICES["flower"]["environment"]

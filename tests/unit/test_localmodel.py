@@ -22,6 +22,6 @@ def test_every_byte_is_one_token_plus_bos() -> None:
 def test_model_info_reads_context_and_counts_tokens(model_dir: Path) -> None:
     assert is_model_dir(model_dir)
     info = load_model_info(str(model_dir), None)
-    assert info.max_model_len == 4096
+    assert info.max_model_len == 16384
     assert info.count_tokens("héllo") == len("héllo".encode()) + 1
     assert load_model_info(str(model_dir), 512).max_model_len == 512

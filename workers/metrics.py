@@ -1,0 +1,91 @@
+"""A worker's Prometheus side: its metrics port, what it observes about jobs, device memory.
+
+The engine's own figures (KV-cache use, waiting requests) come from a vLLM stat logger in
+`workers.engine`; everything here works without importing vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from core.jobs import JobOutcome
+from core.metrics import (
+    CACHED_PROMPT_TOKENS,
+    COMPLETION_TOKENS,
+    DEVICE_MEMORY,
+    JOB_TOKENS_PER_SECOND,
+    JOBS_FINISHED,
+    QUEUE_WAIT,
+    TTFT,
+)
+from core.models import as_utc
+from core.states import JobStatus
+
+log = logging.getLogger(__name__)
+
+
+def observe_start(tier: str, created_at: datetime, started_at: datetime) -> None:
+    """A job left the queue."""
+    QUEUE_WAIT.labels(tier).observe(
+        max(0.0, (as_utc(started_at) - as_utc(created_at)).total_seconds())
+    )
+
+
+def observe_outcome(
+    tier: str, created_at: datetime, outcome: JobOutcome, finished_at: datetime
+) -> None:
+    """A run ended and its outcome was stored."""
+    JOBS_FINISHED.labels(tier, outcome.status.value).inc()
+    COMPLETION_TOKENS.labels(tier).inc(outcome.completion_tokens)
+    if outcome.cached_prompt_tokens:
+        CACHED_PROMPT_TOKENS.labels(tier).inc(outcome.cached_prompt_tokens)
+    if outcome.first_token_at is None:
+        return
+    first = as_utc(outcome.first_token_at)
+    TTFT.labels(tier).observe(max(0.0, (first - as_utc(created_at)).total_seconds()))
+    generating_s = (as_utc(finished_at) - first).total_seconds()
+    if outcome.completion_tokens > 1 and generating_s > 0:
+        JOB_TOKENS_PER_SECOND.labels(tier).observe((outcome.completion_tokens - 1) / generating_s)
+
+
+def observe_ended_unrun(tier: str, status: JobStatus) -> None:
+    """A job ended without reaching the engine (cancelled or expired while queued)."""
+    JOBS_FINISHED.labels(tier, status.value).inc()
+
+
+class DeviceMemory:
+    """Samples memory in use on the worker's devices: NVML for GPUs, resident memory on CPU."""
+
+    def __init__(self, worker: str, gpus: tuple[int, ...]) -> None:
+        self.worker = worker
+        self.gpus = gpus
+        self._nvml: Any = None
+        if gpus:
+            try:
+                import pynvml  # nvidia-ml-py, installed with vLLM's GPU build
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+            except Exception:
+                log.warning("NVML unavailable: GPU memory is not reported", exc_info=True)
+
+    def sample(self) -> None:
+        """Update the device-memory gauges."""
+        if self._nvml is not None:
+            for index in self.gpus:  # NVML counts physical devices, as --gpus does
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
+                used = self._nvml.nvmlDeviceGetMemoryInfo(handle).used
+                DEVICE_MEMORY.labels(self.worker, f"gpu{index}").set(used)
+        elif not self.gpus:
+            import psutil
+
+            process = psutil.Process()
+            rss = process.memory_info().rss
+            for child in process.children(recursive=True):  # the engine core runs apart
+                try:
+                    rss += child.memory_info().rss
+                except psutil.Error:
+                    continue
+            DEVICE_MEMORY.labels(self.worker, "cpu").set(rss)

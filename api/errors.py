@@ -42,7 +42,9 @@ def error_response(
     **extra: Any,
 ) -> JSONResponse:
     """A JSON error response."""
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    if "retry_after" in extra:
+        headers["Retry-After"] = str(extra["retry_after"])
     body = error_body(error_type, code, message, param, **extra)
     return JSONResponse(body, status, headers=headers)
 

@@ -14,6 +14,7 @@ from core.db import Database
 from core.events import AsyncEventPublisher
 from core.jobs import JobStore
 from core.modelinfo import ModelInfo, load_model_info
+from core.quotas import QuotaLimiter
 from core.settings import Settings
 from scheduler.queues import make_celery_app
 
@@ -60,6 +61,7 @@ class Services:
     model: ModelInfo
     principals: PrincipalCache
     submissions: SubmissionBatcher
+    quotas: QuotaLimiter
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -67,9 +69,16 @@ class Services:
         db = Database(settings.sqlalchemy_url)
         jobs = JobStore(db)
         celery = make_celery_app(settings)
-        client = aioredis.Redis.from_url(
-            settings.redis_url, socket_connect_timeout=2, socket_timeout=10
+        # Every live stream and long-poll blocks one connection in XREAD; past the pool's size
+        # a request waits up to 5 s for one rather than failing at once.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url,
+            max_connections=settings.api_redis_connections,
+            timeout=5,
+            socket_connect_timeout=2,
+            socket_timeout=10,
         )
+        client = aioredis.Redis(connection_pool=pool)
         return cls(
             settings=settings,
             db=db,
@@ -81,6 +90,7 @@ class Services:
             model=load_model_info(settings.model_path, settings.max_model_len),
             principals=PrincipalCache(settings.auth_cache_ttl_s),
             submissions=SubmissionBatcher(jobs, celery),
+            quotas=QuotaLimiter(client, settings.job_key_ttl_s),
         )
 
     async def close(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 
 from opentelemetry.trace import SpanKind
 from starlette.concurrency import run_in_threadpool
@@ -23,6 +24,7 @@ from core.errors import (
 from core.jobs import NewJob
 from core.metrics import JOBS_FINISHED, count_submitted
 from core.models import Job
+from core.quotas import Admission
 from core.states import JobStatus
 from core.tracing import current_headers, tracer
 from scheduler.queues import enqueue_job, enqueue_jobs
@@ -70,28 +72,40 @@ async def submit_job(
     """
     with tracer().start_as_current_span("inferq.submit", kind=SpanKind.PRODUCER) as span:
         headers = current_headers()
+        new = await run_in_threadpool(new_job, services, principal, body, idempotency_key, headers)
         if idempotency_key is not None:
-            job, created = await run_in_threadpool(
-                _submit_blocking, services, principal, body, idempotency_key, headers
-            )
+            existing = await run_in_threadpool(services.jobs.replay, new)
+            if existing is not None:  # a replay costs no quota
+                return existing, False
+            await admit(services, principal, [new])
+            job, created = await run_in_threadpool(_submit_blocking, services, new)
         else:
-            new = await run_in_threadpool(new_job, services, principal, body, None, headers)
+            await admit(services, principal, [new])
             job, created = await services.submissions.submit(new), True
         span.set_attributes({"inferq.job_id": job.id, "inferq.tier": job.tier})
         return job, created
 
 
-def _submit_blocking(
-    services: Services,
-    principal: Principal,
-    body: JobCreate,
-    idempotency_key: str | None,
-    headers: dict[str, str],
-) -> tuple[Job, bool]:
-    new = new_job(services, principal, body, idempotency_key, headers)
+async def admit(services: Services, principal: Principal, jobs: list[NewJob]) -> None:
+    """Count the jobs against the key's quota, or raise 429 (nothing is stored then)."""
+    await services.quotas.admit(
+        principal.key_id,
+        principal.quota,
+        [
+            Admission(
+                job.id,
+                job.prompt_tokens + int(job.sampling_params.get("max_tokens", 0)),
+                time.time() + job.timeout_s + 60,
+            )
+            for job in jobs
+        ],
+    )
+
+
+def _submit_blocking(services: Services, new: NewJob) -> tuple[Job, bool]:
     job, created = services.jobs.create(new)
     if created:
-        enqueue_job(services.celery, job.id, job.tier, headers)
+        enqueue_job(services.celery, job.id, job.tier, new.trace_headers)
         count_submitted([job.tier])
     return job, created
 
@@ -106,12 +120,14 @@ async def submit_jobs(
     with tracer().start_as_current_span("inferq.submit_batch", kind=SpanKind.PRODUCER) as span:
         span.set_attribute("inferq.jobs", len(bodies))
         headers = current_headers()
-        return await run_in_threadpool(_submit_many_blocking, services, principal, bodies, headers)
+        batch = await run_in_threadpool(_new_jobs, services, principal, bodies, headers)
+        await admit(services, principal, batch)
+        return await run_in_threadpool(_store_many, services, batch, headers)
 
 
-def _submit_many_blocking(
+def _new_jobs(
     services: Services, principal: Principal, bodies: list[JobCreate], headers: dict[str, str]
-) -> list[Job]:
+) -> list[NewJob]:
     batch = []
     for index, body in enumerate(bodies):
         try:
@@ -120,6 +136,10 @@ def _submit_many_blocking(
             exc.message = f"jobs[{index}]: {exc.message}"
             exc.param = f"jobs[{index}].{exc.param}" if exc.param else f"jobs[{index}]"
             raise
+    return batch
+
+
+def _store_many(services: Services, batch: list[NewJob], headers: dict[str, str]) -> list[Job]:
     jobs = services.jobs.create_many(batch)
     enqueue_jobs(services.celery, [(job.id, job.tier) for job in jobs], [headers] * len(jobs))
     count_submitted(job.tier for job in jobs)

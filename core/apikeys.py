@@ -21,12 +21,27 @@ def hash_key(key: str) -> str:
 
 
 @dataclass(frozen=True)
+class Quota:
+    """A key's limits; None: no limit of that kind."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+    @property
+    def unlimited(self) -> bool:
+        """True when the key has no limit at all."""
+        return self == Quota()
+
+
+@dataclass(frozen=True)
 class Principal:
     """Who a request acts for."""
 
     owner: str
     tier: Tier
     key_id: int
+    quota: Quota = Quota()
 
 
 class KeyStore:
@@ -35,15 +50,19 @@ class KeyStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def create(self, owner: str, tier: Tier) -> tuple[str, ApiKey]:
+    def create(self, owner: str, tier: Tier, quota: Quota | None = None) -> tuple[str, ApiKey]:
         """A new key for `owner`; the plaintext is returned here and never stored."""
         key = KEY_PREFIX + secrets.token_urlsafe(32)
+        quota = quota or Quota()
         record = ApiKey(
             key_hash=hash_key(key),
             prefix=key[: len(KEY_PREFIX) + 6],
             owner=owner,
             tier=tier.value,
             created_at=utcnow(),
+            requests_per_minute=quota.requests_per_minute,
+            tokens_per_minute=quota.tokens_per_minute,
+            max_concurrent=quota.max_concurrent,
         )
         with self.db.session() as session:
             session.add(record)
@@ -55,7 +74,9 @@ class KeyStore:
             record = session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_key(key))).first()
         if record is None or record.revoked_at is not None:
             return None
-        return Principal(owner=record.owner, tier=Tier(record.tier), key_id=record.id)
+        return Principal(
+            owner=record.owner, tier=Tier(record.tier), key_id=record.id, quota=quota_of(record)
+        )
 
     def list(self, owner: str | None = None) -> list[ApiKey]:
         """All keys (or one owner's), oldest first."""
@@ -73,3 +94,8 @@ class KeyStore:
                 return False
             record.revoked_at = utcnow()
         return True
+
+
+def quota_of(record: ApiKey) -> Quota:
+    """A stored key's limits."""
+    return Quota(record.requests_per_minute, record.tokens_per_minute, record.max_concurrent)

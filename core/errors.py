@@ -85,6 +85,20 @@ class PayloadTooLarge(ClientError):
     code = "request_too_large"
 
 
+class RateLimited(ClientError):
+    """The key's quota is used up for now; `retry_after` says when to come back."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class QuotaTooSmall(ClientError):
+    """A request bigger than its key's whole quota: it could never be admitted."""
+
+    code = "quota_exceeded"
+
+
 class ServiceUnavailable(InferqError):
     """A backing service (Redis, database) cannot be reached; retrying later may work."""
 

@@ -11,7 +11,8 @@ Each event is a JSON object with `seq` (1, 2, ...), `job_id` and `type`:
   and `error_code`; nothing follows it.
 
 The stream entry of event `seq` has the id `0-<seq>`, so "everything after event N" is an XREAD
-from `0-N`.
+from `0-N`. Publishing a final event also takes the job off its key's concurrent-jobs set
+(see `core.quotas`), whichever process ends the job.
 """
 
 from __future__ import annotations
@@ -33,12 +34,33 @@ local payload = '{"seq":' .. seq .. ',' .. string.sub(ARGV[1], 2)
 redis.call('XADD', KEYS[1], '0-' .. seq, 'e', payload)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('PUBLISH', KEYS[2], payload)
+if ARGV[3] == '1' then
+  -- a final event: the job no longer counts against its key's concurrent jobs
+  local active = redis.call('GET', KEYS[3])
+  if active then
+    redis.call('ZREM', active, ARGV[4])
+    redis.call('DEL', KEYS[3])
+  end
+end
 return seq
 """
 
 _MAX_BLOCK_MS = 2000
 
 FINAL_EVENT_TYPES = frozenset({"done", "error", "cancelled", "timed_out"})
+
+
+def _script_keys(job_id: str) -> list[str]:
+    return [
+        keys.job_event_stream(job_id),
+        keys.job_events_channel(job_id),
+        keys.job_quota_set(job_id),
+    ]
+
+
+def _script_args(job_id: str, event_type: str, ttl_s: int, fields: dict[str, Any]) -> list[Any]:
+    final = "1" if event_type in FINAL_EVENT_TYPES else "0"
+    return [encode_event(job_id, event_type, **fields), ttl_s, final, job_id]
 
 
 def encode_event(job_id: str, event_type: str, **fields: Any) -> str:
@@ -69,8 +91,8 @@ class EventPublisher:
     ) -> None:
         """Append one event to the job's stream and publish it (or queue that on a pipeline)."""
         self._script(
-            keys=[keys.job_event_stream(job_id), keys.job_events_channel(job_id)],
-            args=[encode_event(job_id, event_type, **fields), self.ttl_s],
+            keys=_script_keys(job_id),
+            args=_script_args(job_id, event_type, self.ttl_s, fields),
             client=client,
         )
 
@@ -86,8 +108,8 @@ class AsyncEventPublisher:
     async def publish(self, job_id: str, event_type: str, **fields: Any) -> None:
         """Append one event to the job's stream and publish it."""
         await self._script(
-            keys=[keys.job_event_stream(job_id), keys.job_events_channel(job_id)],
-            args=[encode_event(job_id, event_type, **fields), self.ttl_s],
+            keys=_script_keys(job_id),
+            args=_script_args(job_id, event_type, self.ttl_s, fields),
         )
 
 

@@ -113,6 +113,13 @@ class JobStore:
             session.add_all(jobs)
         return jobs
 
+    def replay(self, new: NewJob) -> Job | None:
+        """The job stored earlier under `new`'s idempotency key, if any (same body, or 409)."""
+        if new.idempotency_key is None:
+            return None
+        existing = self._by_idempotency_key(new.owner, new.idempotency_key)
+        return None if existing is None else self._check_same_request(existing, new)
+
     @staticmethod
     def _check_same_request(existing: Job, new: NewJob) -> Job:
         if existing.request_hash != new.request_hash:

@@ -108,7 +108,11 @@ class ApiKey(Base):
     tier: Mapped[str] = mapped_column(String(20))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Quotas; None: no limit of that kind.
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer)
 
 
-SCHEMA_REVISION = "0002"
+SCHEMA_REVISION = "0003"
 """The Alembic head this code expects; /readyz compares it with the database."""

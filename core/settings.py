@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.tiers import DEFAULT_TIER_POLICIES, Tier, TierPolicy
@@ -49,6 +50,16 @@ class Settings(BaseSettings):
         default=30.0,
         description="A worker's claim on a job lapses this long after its last renewal.",
     )
+    api_redis_connections: int = Field(
+        default=2000,
+        ge=10,
+        description="Redis connections per API process; each live stream or long-poll holds one.",
+    )
+    stream_interval_ms: int = Field(
+        default=50,
+        ge=0,
+        description="Shortest time between a worker's stream publishes; 0: every engine step.",
+    )
     max_attempts: int = Field(
         default=3, ge=1, description="Runs of a job whose worker is lost before it fails."
     )
@@ -88,6 +99,33 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1024 * 1024, description="Largest accepted request body.")
     job_key_ttl_s: int = Field(default=24 * 3600, description="TTL of every per-job Redis key.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO")
+
+    tiers_file: Path | None = Field(
+        default=None,
+        description="JSON file with a tier table like INFERQ_TIERS; INFERQ_TIERS overrides it.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_tiers_file(cls, data: Any) -> Any:
+        """Layer the tier table: defaults, then the file, then INFERQ_TIERS."""
+        if not isinstance(data, dict) or not data.get("tiers_file"):
+            return data
+        path = Path(data["tiers_file"])
+        try:
+            from_file = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the tiers file {path}: {exc}") from exc
+        if not isinstance(from_file, dict):
+            raise ValueError(f"the tiers file {path} must hold a JSON object of tiers")
+        override = data.get("tiers") or {}
+        if isinstance(override, str):
+            override = json.loads(override)
+        merged = {
+            name: {**from_file.get(name, {}), **override.get(name, {})}
+            for name in {*from_file, *override}
+        }
+        return {**data, "tiers": merged}
 
     @field_validator("tiers", mode="before")
     @classmethod

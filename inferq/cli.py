@@ -149,12 +149,20 @@ def keys() -> None:
 @keys.command("create")
 @click.option("--owner", required=True)
 @click.option("--tier", type=click.Choice([t.value for t in Tier]), default=Tier.STANDARD.value)
-def keys_create(owner: str, tier: str) -> None:
+@click.option("--rpm", type=click.IntRange(min=1), default=None, help="Jobs per minute.")
+@click.option("--tpm", type=click.IntRange(min=1), default=None, help="Tokens per minute.")
+@click.option(
+    "--max-concurrent", type=click.IntRange(min=1), default=None, help="Unfinished jobs at once."
+)
+def keys_create(
+    owner: str, tier: str, rpm: int | None, tpm: int | None, max_concurrent: int | None
+) -> None:
     """Create a key; it is printed once and only its hash is stored."""
-    from core.apikeys import KeyStore
+    from core.apikeys import KeyStore, Quota
     from core.db import Database
 
-    key, record = KeyStore(Database(_settings().sqlalchemy_url)).create(owner, Tier(tier))
+    quota = Quota(rpm, tpm, max_concurrent)
+    key, record = KeyStore(Database(_settings().sqlalchemy_url)).create(owner, Tier(tier), quota)
     click.echo(key)
     click.echo(f"(id {record.id}, owner {owner}, tier {tier}; shown once)", err=True)
 
@@ -168,7 +176,19 @@ def keys_list(owner: str | None) -> None:
 
     for record in KeyStore(Database(_settings().sqlalchemy_url)).list(owner):
         state = "revoked" if record.revoked_at else "active"
-        click.echo(f"{record.id}\t{record.prefix}…\t{record.owner}\t{record.tier}\t{state}")
+        limits = ", ".join(
+            f"{value} {name}"
+            for name, value in (
+                ("rpm", record.requests_per_minute),
+                ("tpm", record.tokens_per_minute),
+                ("concurrent", record.max_concurrent),
+            )
+            if value is not None
+        )
+        click.echo(
+            f"{record.id}\t{record.prefix}…\t{record.owner}\t{record.tier}\t{state}"
+            f"\t{limits or 'no limits'}"
+        )
 
 
 @keys.command("revoke")

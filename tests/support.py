@@ -21,7 +21,7 @@ import psycopg
 import redis
 
 from core import keys
-from core.apikeys import KeyStore
+from core.apikeys import KeyStore, Quota
 from core.db import Database
 from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
@@ -111,9 +111,11 @@ class Stack:
         """The database the stack writes to."""
         return Database(self.database_url)
 
-    def create_key(self, tier: Tier = Tier.STANDARD, owner: str | None = None) -> str:
+    def create_key(
+        self, tier: Tier = Tier.STANDARD, owner: str | None = None, quota: Quota | None = None
+    ) -> str:
         """A new key for a fresh owner (so tests never see each other's jobs)."""
-        key, _ = KeyStore(self.db).create(owner or f"owner-{uuid.uuid4().hex[:8]}", tier)
+        key, _ = KeyStore(self.db).create(owner or f"owner-{uuid.uuid4().hex[:8]}", tier, quota)
         return key
 
     def client(self, key: str | None, **kwargs: Any) -> httpx.Client:

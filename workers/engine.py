@@ -2,7 +2,8 @@
 
 Celery's task threads call `submit`, which schedules the generation on the loop and returns a
 future; vLLM batches every request in flight (continuous batching). The text each request makes
-is collected per engine step and handed to the delta sink once per step, not once per token.
+is collected per engine step and handed to the delta sink once per step (at most once per
+`stream_interval_ms`), never once per token.
 This is the only module that imports vLLM, and it is imported only after the worker has pinned
 its devices.
 """
@@ -80,7 +81,8 @@ class VllmEngine:
         self._on_deltas = on_deltas
         # Deltas of the current engine step; handed to the sink once the step's outputs are in.
         self._step: list[Delta] = []
-        self._step_at = 0.0
+        self._last_flush = 0.0
+        self._stream_interval_s = settings.stream_interval_ms / 1000
 
     def start(self) -> None:
         """Load the model and start the engine; blocks until it is ready."""
@@ -174,16 +176,21 @@ class VllmEngine:
     def _add_delta(self, delta: Delta) -> None:
         if self._on_deltas is None:
             return
+        delta.at = time.time()
         if not self._step:
-            # vLLM wakes every request of a step before this callback runs, so it sees them all.
-            self._loop.call_soon(self._flush_step)
-            self._step_at = time.time()
-        delta.at = self._step_at
+            # vLLM wakes every request of a step before a callback scheduled now runs, so a
+            # flush sees the whole step; with a stream interval, it waits for later steps too.
+            delay = self._last_flush + self._stream_interval_s - delta.at
+            if delay > 0:
+                self._loop.call_later(delay, self._flush_step)
+            else:
+                self._loop.call_soon(self._flush_step)
         self._step.append(delta)
 
     def _flush_step(self) -> None:
         if self._step and self._on_deltas is not None:
             step, self._step = self._step, []
+            self._last_flush = time.time()
             self._on_deltas(step)
 
     def shutdown(self) -> None:

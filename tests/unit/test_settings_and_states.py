@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -51,3 +53,17 @@ def test_a_queued_job_cannot_succeed_without_running() -> None:
     assert not can_transition(JobStatus.QUEUED, JobStatus.SUCCEEDED)
     assert can_transition(JobStatus.QUEUED, JobStatus.CANCELLED)
     assert can_transition(JobStatus.RUNNING, JobStatus.RUNNING)  # redelivery takes over
+
+
+def test_a_tiers_file_is_layered_between_the_defaults_and_inferq_tiers(tmp_path: Path) -> None:
+    import json
+
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps({"basic": {"max_tokens": 100, "timeout_s": 50}}))
+    settings = Settings(_env_file=None, tiers_file=path, tiers={"basic": {"max_tokens": 7}})  # type: ignore[call-arg]
+    assert settings.tier_policy("basic").max_tokens == 7  # INFERQ_TIERS wins
+    assert settings.tier_policy("basic").timeout_s == 50  # the file's
+    assert settings.tier_policy("premium").max_tokens == 2048  # the seed's default
+    path.write_text(json.dumps({"gold": {"priority": 99}}))
+    with pytest.raises(ValueError, match="unknown tier name"):
+        Settings(_env_file=None, tiers_file=path)  # type: ignore[call-arg]

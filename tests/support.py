@@ -182,7 +182,7 @@ def start_stack(
         INFERQ_MAX_MODEL_LEN="16384",
         # Long premium jobs keep the worker busy while a test builds a backlog behind them, and
         # outlive the slowest moments of a shared 2-core machine.
-        INFERQ_TIERS=json.dumps({"premium": {"max_tokens": BLOCKER_TOKENS, "timeout_s": 120}}),
+        INFERQ_TIERS=json.dumps({"premium": {"max_tokens": BLOCKER_TOKENS, "timeout_s": 300}}),
         INFERQ_LOG_LEVEL="INFO",
         # Short leases, so a killed worker's jobs are requeued within seconds.
         INFERQ_LEASE_TTL_S=str(LEASE_TTL_S),

@@ -74,6 +74,10 @@ class _CancelListener(threading.Thread):
                     log.info("aborted job %s on request", job_id)
 
 
+def _tick() -> None:
+    """Nothing: firing at all is what wakes Celery's event loop."""
+
+
 def run_worker(
     settings: Settings,
     spec: DeviceSpec,
@@ -115,6 +119,12 @@ def run_worker(
     listener.start()
 
     def announce(**_: object) -> None:
+        # Celery's event loop polls Redis for the next message only when it wakes, and with
+        # nothing else to do it sleeps up to 10 s; a slot freed meanwhile would sit idle that
+        # long. A 0.1 s timer bounds the wait for a freed slot to take the next queued job.
+        hub = getattr(worker, "hub", None)
+        if hub is not None:
+            hub.call_repeatedly(0.1, _tick)
         # Shown as live only once it consumes, so "a worker is up" means "jobs will run".
         client.sadd(keys.WORKERS_SET, node_name)
         runner.renew_leases()

@@ -24,8 +24,8 @@ from tests.integration.test_cancel_and_deadlines import full_worker
 from tests.support import FINAL_EVENTS, Stack, read_sse, streamed_text, wait_final
 
 VICTIM = "victim@inferq-test"
-JOBS_PER_TRIAL = 8
-TOKENS = 400
+JOBS_PER_TRIAL = 6
+TOKENS = 300
 
 
 class Victim:

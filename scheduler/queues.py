@@ -12,6 +12,7 @@ from core.settings import Settings, get_settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
 
 RUN_JOB_TASK = "inferq.run_job"
+REDELIVER_UNACKED_AFTER_S = 30
 
 
 def make_celery_app(settings: Settings) -> Celery:
@@ -32,7 +33,10 @@ def make_celery_app(settings: Settings) -> Celery:
         broker_transport_options={
             # Poll the tier queues in the declared order every time, not round-robin.
             "queue_order_strategy": "priority",
-            "visibility_timeout": 3600,
+            # A message taken by a worker that died before starting its job (the job is still
+            # queued, so the lease reaper does not see it) goes back to its queue after this.
+            # Live workers' long jobs get one duplicate delivery too, which their lease skips.
+            "visibility_timeout": REDELIVER_UNACKED_AFTER_S,
         },
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,

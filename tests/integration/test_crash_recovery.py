@@ -13,13 +13,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
 from core import keys
-from core.tiers import Tier
+from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.workerinfo import live_workers
+from scheduler.queues import make_celery_app
 from tests.integration.test_cancel_and_deadlines import full_worker
 from tests.support import FINAL_EVENTS, Stack, read_sse, streamed_text, wait_final
 
@@ -85,6 +87,27 @@ def victim(stack: Stack) -> Iterator[Victim]:
             time.sleep(0.5)
 
 
+@contextmanager
+def survivor_paused(stack: Stack) -> Iterator[None]:
+    """The stack's own worker takes no new jobs (Celery remote control), so the victim gets them.
+
+    Its idle slots would otherwise take every job first: it has 32 of them, the victim 8.
+    """
+    app = make_celery_app(stack.local.settings)
+    queues = [keys.queue_name(tier) for tier in TIERS_BY_PRIORITY]
+    destination = [stack.worker_name]
+    try:
+        for queue in queues:
+            replies = app.control.cancel_consumer(queue, destination=destination, reply=True)
+            assert replies, f"{stack.worker_name} did not answer cancel_consumer"
+        yield
+    finally:
+        for queue in queues:
+            replies = app.control.add_consumer(queue, destination=destination, reply=True)
+            assert replies, f"{stack.worker_name} did not answer add_consumer"
+        app.close()
+
+
 def _workers_of(stack: Stack, job_ids: list[str]) -> dict[str, tuple[str, str | None, int]]:
     """(status, worker, attempt) of each job, read from the database."""
     from sqlalchemy import select
@@ -120,22 +143,18 @@ def test_sigkill_mid_generation_loses_and_duplicates_nothing(stack: Stack, victi
     killed_jobs = 0
     with stack.client(key) as client:
         for trial in range(_trials(stack)):
-            # Both workers take jobs off the queue: submit until some reach the victim.
-            jobs: list[dict[str, Any]] = []
-            on_victim: list[str] = []
-            while not on_victim:
-                assert len(jobs) < 5 * JOBS_PER_TRIAL, "no job reached the victim"
-                jobs += [
+            with survivor_paused(stack):
+                jobs = [
                     stack.submit(
                         key, prompt=f"Trial {trial}, {i}.", max_tokens=TOKENS, ignore_eos=True
                     )
                     for i in range(JOBS_PER_TRIAL)
                 ]
-                deadline = time.monotonic() + 5
-                while not on_victim and time.monotonic() < deadline:
+                deadline = time.monotonic() + 60
+                while not _on_victim(stack, jobs):
+                    assert time.monotonic() < deadline, "no job reached the victim"
                     time.sleep(0.3)
-                    on_victim = _on_victim(stack, jobs)
-            victim.kill()
+                victim.kill()
             # Those still running on it when it died (one may have finished just before).
             on_victim = _on_victim(stack, jobs)
             killed_jobs += len(on_victim)

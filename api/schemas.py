@@ -32,6 +32,11 @@ class JobCreate(BaseModel):
     timeout_s: float | None = Field(
         default=None, gt=0, description="Total time limit; at most the tier's."
     )
+    cache: bool = Field(
+        default=True,
+        description="A deterministic job (temperature 0 or a seed) may be answered from, and "
+        "stored in, the result cache; false: neither.",
+    )
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
         """The parameters handed to the engine, without unset ones."""
@@ -91,6 +96,10 @@ class JobOut(BaseModel):
     timings: Timings
     sampling_params: dict[str, Any]
     attempt: int
+    served_from: str | None = Field(
+        description="engine, merged (shared an identical job's engine run) or cache; "
+        "null until the job has ended."
+    )
     error: JobErrorOut | None
 
     @classmethod
@@ -120,6 +129,7 @@ class JobOut(BaseModel):
             ),
             sampling_params=job.sampling_params,
             attempt=job.attempt,
+            served_from=job.served_from,
             error=JobErrorOut(code=job.error_code, message=job.error_message or "")
             if job.error_code
             else None,

@@ -10,6 +10,7 @@ import time
 from opentelemetry.trace import SpanKind
 from starlette.concurrency import run_in_threadpool
 
+from api.cache import announce_cached, cache_key_for, fill_from_cache
 from api.schemas import JobCreate
 from api.services import Services
 from core import keys
@@ -77,11 +78,14 @@ async def submit_job(
             existing = await run_in_threadpool(services.jobs.replay, new)
             if existing is not None:  # a replay costs no quota
                 return existing, False
-            await admit(services, principal, [new])
+        [new] = await fill_from_cache(services, [new])
+        await admit(services, principal, [new])
+        if idempotency_key is not None or new.cached is not None:
             job, created = await run_in_threadpool(_submit_blocking, services, new)
         else:
-            await admit(services, principal, [new])
             job, created = await services.submissions.submit(new), True
+        if created and new.cached is not None:
+            await announce_cached(services, [job])
         span.set_attributes({"inferq.job_id": job.id, "inferq.tier": job.tier})
         return job, created
 
@@ -105,7 +109,8 @@ async def admit(services: Services, principal: Principal, jobs: list[NewJob]) ->
 def _submit_blocking(services: Services, new: NewJob) -> tuple[Job, bool]:
     job, created = services.jobs.create(new)
     if created:
-        enqueue_job(services.celery, job.id, job.tier, new.trace_headers)
+        if new.cached is None:
+            enqueue_job(services.celery, job.id, job.tier, new.trace_headers)
         count_submitted([job.tier])
     return job, created
 
@@ -121,8 +126,11 @@ async def submit_jobs(
         span.set_attribute("inferq.jobs", len(bodies))
         headers = current_headers()
         batch = await run_in_threadpool(_new_jobs, services, principal, bodies, headers)
+        batch = await fill_from_cache(services, batch)
         await admit(services, principal, batch)
-        return await run_in_threadpool(_store_many, services, batch, headers)
+        jobs = await run_in_threadpool(_store_many, services, batch, headers)
+        await announce_cached(services, [job for job in jobs if job.served_from is not None])
+        return jobs
 
 
 def _new_jobs(
@@ -141,7 +149,8 @@ def _new_jobs(
 
 def _store_many(services: Services, batch: list[NewJob], headers: dict[str, str]) -> list[Job]:
     jobs = services.jobs.create_many(batch)
-    enqueue_jobs(services.celery, [(job.id, job.tier) for job in jobs], [headers] * len(jobs))
+    queued = [(job.id, job.tier) for job in jobs if job.served_from is None]
+    enqueue_jobs(services.celery, queued, [headers] * len(queued))
     count_submitted(job.tier for job in jobs)
     return jobs
 
@@ -163,16 +172,18 @@ def new_job(
         canonical = json.dumps(body.model_dump(), sort_keys=True)
         request_hash = hashlib.sha256(canonical.encode()).hexdigest()
     timeout_s = body.timeout_s or policy.timeout_s
+    sampling = body.sampling_params(max_tokens)
     return NewJob(
         owner=principal.owner,
         tier=principal.tier.value,
         prompt=body.prompt,
-        sampling_params=body.sampling_params(max_tokens),
+        sampling_params=sampling,
         timeout_s=timeout_s,
         queue_timeout_s=policy.queue_limit_s(timeout_s),
         prompt_tokens=prompt_tokens,
         idempotency_key=idempotency_key,
         request_hash=request_hash,
+        cache_key=cache_key_for(services, body.prompt, sampling, body.cache),
         trace_headers=trace_headers or {},
     )
 

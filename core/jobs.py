@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.db import Database
 from core.errors import IdempotencyKeyReused
 from core.models import Job, as_utc, utcnow
-from core.states import FINAL_STATES, JobStatus
+from core.resultcache import CachedResult
+from core.states import FINAL_STATES, JobStatus, ServedFrom
 
 
 def new_job_id() -> str:
@@ -35,13 +36,16 @@ class NewJob:
     queue_timeout_s: float | None = None
     idempotency_key: str | None = None
     request_hash: str | None = None
+    cache_key: str | None = None
+    # A repeat answered from the result cache is stored already finished.
+    cached: CachedResult | None = None
     id: str = field(default_factory=new_job_id)
     # The submitting request's trace context, for the message (not stored).
     trace_headers: dict[str, str] = field(default_factory=dict, compare=False)
 
     def row(self, created_at: datetime) -> Job:
-        """The queued job's database row."""
-        return Job(
+        """The job's database row: queued, or succeeded if the cache answered it."""
+        job = Job(
             id=self.id,
             owner=self.owner,
             tier=self.tier,
@@ -56,7 +60,16 @@ class NewJob:
             queue_deadline_at=created_at
             + timedelta(seconds=min(self.queue_timeout_s or self.timeout_s, self.timeout_s)),
             attempt=0,
+            cache_key=self.cache_key,
         )
+        if self.cached is not None:
+            job.status = JobStatus.SUCCEEDED.value
+            job.served_from = ServedFrom.CACHE.value
+            job.output_text = self.cached.text
+            job.finish_reason = self.cached.finish_reason
+            job.completion_tokens = self.cached.completion_tokens
+            job.started_at = job.first_token_at = job.finished_at = created_at
+        return job
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,7 @@ class JobOutcome:
     first_token_at: datetime | None
     error_code: str | None = None
     error_message: str | None = None
+    served_from: ServedFrom = ServedFrom.ENGINE
 
 
 _FINAL = [s.value for s in FINAL_STATES]
@@ -292,13 +306,15 @@ class JobStore:
                 status=outcome.status.value,
                 output_text=outcome.text,
                 finish_reason=outcome.finish_reason,
-                prompt_tokens=outcome.prompt_tokens,
+                # A run that ended before the engine counted the prompt keeps the API's count.
+                prompt_tokens=func.coalesce(outcome.prompt_tokens, Job.prompt_tokens),
                 completion_tokens=outcome.completion_tokens,
                 cached_prompt_tokens=outcome.cached_prompt_tokens,
                 first_token_at=outcome.first_token_at,
                 finished_at=utcnow(),
                 error_code=outcome.error_code,
                 error_message=outcome.error_message,
+                served_from=outcome.served_from.value,
             )
             .execution_options(synchronize_session=False)
         )

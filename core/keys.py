@@ -48,6 +48,11 @@ def key_active(key_id: int) -> str:
     return f"{PREFIX}:key:{key_id}:active"
 
 
+def result_cache(digest: str) -> str:
+    """A deterministic request's cached result (see `core.resultcache`)."""
+    return f"{PREFIX}:cache:{digest}"
+
+
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
 """Workers listen here for ids of running jobs to abort."""
 

@@ -48,6 +48,14 @@ JOBS_FINISHED = Counter(
     "Jobs that reached a final state, by tier and status.",
     ["tier", "status"],
 )
+JOBS_MERGED = Counter(
+    "inferq_jobs_merged_total",
+    "Jobs that shared an identical job's engine request instead of making their own.",
+    ["tier"],
+)
+JOBS_CACHED = Counter(
+    "inferq_jobs_cached_total", "Jobs answered from the result cache, without the engine.", ["tier"]
+)
 JOBS_SUBMITTED = Counter("inferq_jobs_submitted_total", "Jobs accepted by the API.", ["tier"])
 JOBS_REQUEUED = Counter(
     "inferq_jobs_requeued_total", "Jobs put back in the queue after their worker was lost."

@@ -82,6 +82,9 @@ class Job(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     cached_prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    # Where the text came from (`ServedFrom`); the cache key names a deterministic request.
+    served_from: Mapped[str | None] = mapped_column(String(10))
+    cache_key: Mapped[str | None] = mapped_column(String(64))
 
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -114,5 +117,5 @@ class ApiKey(Base):
     max_concurrent: Mapped[int | None] = mapped_column(Integer)
 
 
-SCHEMA_REVISION = "0003"
+SCHEMA_REVISION = "0004"
 """The Alembic head this code expects; /readyz compares it with the database."""

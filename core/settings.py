@@ -98,6 +98,15 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(default=256, description="max_tokens when a job omits it.")
     max_body_bytes: int = Field(default=1024 * 1024, description="Largest accepted request body.")
     job_key_ttl_s: int = Field(default=24 * 3600, description="TTL of every per-job Redis key.")
+    result_cache_ttl_s: int = Field(
+        default=3600,
+        ge=0,
+        description="How long a deterministic job's result answers its repeats; 0: no cache.",
+    )
+    merge_requests: bool = Field(
+        default=True,
+        description="Identical deterministic jobs in flight on a worker share one engine request.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO")
 
     tiers_file: Path | None = Field(

@@ -21,6 +21,17 @@ class JobStatus(StrEnum):
         return self in FINAL_STATES
 
 
+class ServedFrom(StrEnum):
+    """Where a finished job's text came from."""
+
+    ENGINE = "engine"
+    """Its own engine request."""
+    MERGED = "merged"
+    """An identical request's engine run, shared while both were in flight."""
+    CACHE = "cache"
+    """The result cache: an identical request's earlier answer; no engine involved."""
+
+
 FINAL_STATES: frozenset[JobStatus] = frozenset(
     {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.TIMED_OUT}
 )

@@ -53,6 +53,8 @@ class GenerationResult:
     first_token_at: datetime | None = None
     error_code: str | None = None
     error_message: str | None = None
+    merged: bool = False
+    """Whether the text came from an identical job's engine request (see `workers.merging`)."""
     chunks: list[str] = field(default_factory=list, repr=False)
 
 

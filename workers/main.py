@@ -20,6 +20,7 @@ from core.tracing import init_tracing
 from core.tracing import shutdown as shutdown_tracing
 from scheduler.queues import make_celery_app
 from workers.devices import DeviceSpec, pin_devices
+from workers.merging import MergingEngine
 from workers.metrics import DeviceMemory
 from workers.runner import JobRunner
 from workers.streams import DeltaPublisher
@@ -96,14 +97,16 @@ def run_worker(
     node_name = name or spec.node_name()
     client = redis.Redis.from_url(settings.redis_url)
     deltas = DeltaPublisher(EventPublisher(client, settings.job_key_ttl_s))
-    engine = VllmEngine(
+    engine = MergingEngine(deltas.publish_step, enabled=settings.merge_requests)
+    vllm = VllmEngine(
         settings,
         device=spec.kind,
         num_gpus=len(spec.gpus),
-        on_deltas=deltas.publish_step,
+        on_deltas=engine.on_deltas,
         stats_label=node_name,
     )
-    engine.start()
+    vllm.start()
+    engine.attach(vllm)
     runner = JobRunner(
         settings=settings,
         store=JobStore(Database(settings.sqlalchemy_url)),

@@ -24,7 +24,8 @@ from core.events import EventPublisher
 from core.jobs import JobOutcome, JobStore
 from core.logs import job_fields
 from core.models import Job, utcnow
-from core.states import JobStatus, final_event_type
+from core.resultcache import CachedResult
+from core.states import JobStatus, ServedFrom, final_event_type
 from workers.generation import GenerationResult
 from workers.metrics import observe_outcome
 
@@ -46,6 +47,7 @@ class _Finished:
     ticket: Future[JobStatus | None]
     tier: str
     created_at: datetime
+    cache_key: str | None
 
 
 class OutcomeRecorder:
@@ -58,12 +60,15 @@ class OutcomeRecorder:
         release_lease: redis.commands.core.Script,
         *,
         before_final: Callable[[], None] | None = None,
+        cache_ttl_s: int = 0,
     ) -> None:
         self.store = store
         self.publisher = publisher
         self.release_lease = release_lease
         # Called before final events go out: publishes the deltas still queued, which precede them.
         self.before_final = before_final
+        # A succeeded deterministic job's result answers its repeats this long (0: never).
+        self.cache_ttl_s = cache_ttl_s
         self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="inferq-recorder", daemon=True).start()
 
@@ -72,7 +77,14 @@ class OutcomeRecorder:
         ticket: Future[JobStatus | None] = Future()
         self._finished.put(
             _Finished(
-                job.id, job.attempt, _outcome(result), lease_token, ticket, job.tier, job.created_at
+                job.id,
+                job.attempt,
+                _outcome(result),
+                lease_token,
+                ticket,
+                job.tier,
+                job.created_at,
+                job.cache_key,
             )
         )
         return ticket.result()
@@ -123,6 +135,7 @@ class OutcomeRecorder:
                         "completion_tokens": outcome.completion_tokens,
                     },
                 )
+            self._cache_results(pipe, [i for i in batch if i.job_id in written])
             for item in batch:
                 self.release_lease(
                     keys=[keys.job_lease(item.job_id)], args=[item.lease_token], client=pipe
@@ -147,6 +160,22 @@ class OutcomeRecorder:
                     extra=job_fields(item.job_id, item.tier, attempt=item.attempt),
                 )
         return {job_id: outcome.status for job_id, outcome in written.items()}
+
+    def _cache_results(self, pipe: redis.client.Pipeline, written: list[_Finished]) -> None:
+        """Queue the cache writes of succeeded deterministic jobs on the pipeline."""
+        if self.cache_ttl_s <= 0:
+            return
+        for item in written:
+            outcome = item.outcome
+            if item.cache_key is None or outcome.status is not JobStatus.SUCCEEDED:
+                continue
+            cached = CachedResult(
+                outcome.text,
+                outcome.finish_reason,
+                outcome.prompt_tokens,
+                outcome.completion_tokens,
+            )
+            pipe.set(keys.result_cache(item.cache_key), cached.dumps(), ex=self.cache_ttl_s)
 
     def publish_final(self, job_id: str, status: JobStatus, **fields: Any) -> None:
         """The job's last event; the database already holds its state, so this is best effort."""
@@ -195,4 +224,5 @@ def _outcome(result: GenerationResult) -> JobOutcome:
         first_token_at=result.first_token_at,
         error_code=result.error_code,
         error_message=result.error_message,
+        served_from=ServedFrom.MERGED if result.merged else ServedFrom.ENGINE,
     )

@@ -25,12 +25,13 @@ from core import keys
 from core.events import EventPublisher
 from core.jobs import JobStore
 from core.logs import job_fields
-from core.metrics import IN_FLIGHT
+from core.metrics import IN_FLIGHT, JOBS_MERGED
 from core.models import Job, as_utc
 from core.settings import Settings
 from core.states import JobStatus
 from core.tiers import engine_priority
-from workers.generation import Engine, GenerationRequest, GenerationResult
+from workers.generation import GenerationRequest, GenerationResult
+from workers.merging import MergingEngine
 from workers.metrics import observe_ended_unrun, observe_start
 from workers.outcomes import OutcomeRecorder
 from workers.streams import DeltaPublisher
@@ -56,6 +57,7 @@ class WorkerStats:
     in_flight: int = 0
     peak_in_flight: int = 0
     engine_requests: int = 0
+    merged: int = 0
     skipped: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -66,6 +68,7 @@ class WorkerStats:
                 "in_flight": self.in_flight,
                 "peak_in_flight": self.peak_in_flight,
                 "engine_requests": self.engine_requests,
+                "merged": self.merged,
                 "skipped": self.skipped,
             }
 
@@ -91,7 +94,7 @@ class JobRunner:
         *,
         settings: Settings,
         store: JobStore,
-        engine: Engine,
+        engine: MergingEngine,
         redis_client: redis.Redis,
         worker_name: str,
         deltas: DeltaPublisher | None = None,
@@ -106,7 +109,11 @@ class JobRunner:
         self._release = redis_client.register_script(_RELEASE_SCRIPT)
         self.deltas = deltas
         self.outcomes = OutcomeRecorder(
-            store, self.publisher, self._release, before_final=deltas.flush if deltas else None
+            store,
+            self.publisher,
+            self._release,
+            before_final=deltas.flush if deltas else None,
+            cache_ttl_s=settings.result_cache_ttl_s,
         )
         # job id → engine request id, for every job this worker is running
         self._running: dict[str, str] = {}
@@ -214,19 +221,24 @@ class JobRunner:
             job_id=job.id,
             attempt=job.attempt,
         )
+        self._running[job.id] = request.request_id
+        generation, merged = self.engine.submit_merging(request)
         with self.stats.lock:
             self.stats.in_flight += 1
-            self.stats.engine_requests += 1
+            self.stats.engine_requests += 0 if merged else 1
+            self.stats.merged += 1 if merged else 0
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
-        self._running[job.id] = request.request_id
+        if merged:
+            JOBS_MERGED.labels(job.tier).inc()
         log.info(
-            "job %s started: attempt %d, tier %s",
+            "job %s started: attempt %d, tier %s%s",
             job.id,
             job.attempt,
             job.tier,
+            ", merged with an identical job" if merged else "",
             extra=job_fields(job.id, job.tier, attempt=job.attempt),
         )
-        return self.engine.submit(request)
+        return generation
 
     def _announce_starts(self, jobs: list[Job]) -> None:
         """Queue the running events on the delta channel, ahead of any delta of these runs."""

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from celery import Celery
 from starlette.concurrency import run_in_threadpool
 
 from core.jobs import JobStore, NewJob
 from core.metrics import count_submitted
 from core.models import Job
-from scheduler.queues import enqueue_jobs
+from scheduler.dispatch import Dispatcher, queued
 
 
 class SubmissionBatcher:
@@ -22,9 +21,9 @@ class SubmissionBatcher:
     of POSTs costs a few commits rather than one each. A lone request is a batch of one.
     """
 
-    def __init__(self, jobs: JobStore, celery: Celery) -> None:
+    def __init__(self, jobs: JobStore, dispatcher: Dispatcher) -> None:
         self.jobs = jobs
-        self.celery = celery
+        self.dispatcher = dispatcher
         self._pending: list[tuple[NewJob, asyncio.Future[Job]]] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -66,10 +65,6 @@ class SubmissionBatcher:
     def _store_and_enqueue(self, batch: list[NewJob]) -> list[Job]:
         # The rows are committed before any id is enqueued.
         stored = self.jobs.create_many(batch)
-        enqueue_jobs(
-            self.celery,
-            [(job.id, job.tier) for job in stored],
-            [new.trace_headers for new in batch],
-        )
+        self.dispatcher.submit(queued(stored, [new.trace_headers for new in batch]))
         count_submitted(job.tier for job in stored)
         return stored

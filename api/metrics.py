@@ -20,10 +20,9 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.admission import waiting_counts
 from api.deps import ServicesDep
-from core import keys
 from core.metrics import HTTP_LATENCY, HTTP_REQUESTS, QUEUE_LENGTH
-from core.tiers import TIERS_BY_PRIORITY
 
 router = APIRouter(tags=["observability"])
 
@@ -66,12 +65,9 @@ def _route(scope: Scope) -> str:
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(services: ServicesDep) -> Response:
-    """Prometheus exposition; queue lengths are read from Redis at scrape time."""
-    pipe = services.redis.pipeline(transaction=False)
-    for tier in TIERS_BY_PRIORITY:
-        pipe.llen(keys.queue_name(tier))
-    for tier, length in zip(TIERS_BY_PRIORITY, await pipe.execute(), strict=True):
-        QUEUE_LENGTH.labels(tier.value).set(length)
+    """Prometheus exposition; queue lengths (held jobs included) are read at scrape time."""
+    for tier, waiting in (await waiting_counts(services)).items():
+        QUEUE_LENGTH.labels(tier.value).set(waiting)
     registry = REGISTRY
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import redis
 import redis.asyncio as aioredis
 from celery import Celery
 
@@ -16,6 +17,7 @@ from core.jobs import JobStore
 from core.modelinfo import ModelInfo, load_model_info
 from core.quotas import QuotaLimiter
 from core.settings import Settings
+from scheduler.dispatch import Dispatcher
 from scheduler.queues import make_celery_app
 
 
@@ -61,6 +63,7 @@ class Services:
     model: ModelInfo
     principals: PrincipalCache
     submissions: SubmissionBatcher
+    dispatcher: Dispatcher
     quotas: QuotaLimiter
 
     @classmethod
@@ -79,6 +82,12 @@ class Services:
             socket_timeout=10,
         )
         client = aioredis.Redis(connection_pool=pool)
+        # Dispatching runs in the thread pool, beside Celery's own (blocking) producer.
+        dispatcher = Dispatcher(
+            settings,
+            redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=10),
+            celery,
+        )
         return cls(
             settings=settings,
             db=db,
@@ -89,7 +98,8 @@ class Services:
             celery=celery,
             model=load_model_info(settings.model_path, settings.max_model_len),
             principals=PrincipalCache(settings.auth_cache_ttl_s),
-            submissions=SubmissionBatcher(jobs, celery),
+            submissions=SubmissionBatcher(jobs, dispatcher),
+            dispatcher=dispatcher,
             quotas=QuotaLimiter(client, settings.job_key_ttl_s),
         )
 

@@ -10,6 +10,7 @@ import time
 from opentelemetry.trace import SpanKind
 from starlette.concurrency import run_in_threadpool
 
+from api.admission import admit_to_queue
 from api.cache import announce_cached, cache_key_for, fill_from_cache
 from api.schemas import JobCreate
 from api.services import Services
@@ -28,7 +29,7 @@ from core.models import Job
 from core.quotas import Admission
 from core.states import JobStatus
 from core.tracing import current_headers, tracer
-from scheduler.queues import enqueue_job, enqueue_jobs
+from scheduler.dispatch import queued
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ async def submit_job(
             if existing is not None:  # a replay costs no quota
                 return existing, False
         [new] = await fill_from_cache(services, [new])
+        if new.cached is None:
+            await admit_to_queue(services, [new])
         await admit(services, principal, [new])
         if idempotency_key is not None or new.cached is not None:
             job, created = await run_in_threadpool(_submit_blocking, services, new)
@@ -110,7 +113,7 @@ def _submit_blocking(services: Services, new: NewJob) -> tuple[Job, bool]:
     job, created = services.jobs.create(new)
     if created:
         if new.cached is None:
-            enqueue_job(services.celery, job.id, job.tier, new.trace_headers)
+            services.dispatcher.submit(queued([job], [new.trace_headers]))
         count_submitted([job.tier])
     return job, created
 
@@ -127,6 +130,7 @@ async def submit_jobs(
         headers = current_headers()
         batch = await run_in_threadpool(_new_jobs, services, principal, bodies, headers)
         batch = await fill_from_cache(services, batch)
+        await admit_to_queue(services, [new for new in batch if new.cached is None])
         await admit(services, principal, batch)
         jobs = await run_in_threadpool(_store_many, services, batch, headers)
         await announce_cached(services, [job for job in jobs if job.served_from is not None])
@@ -149,8 +153,8 @@ def _new_jobs(
 
 def _store_many(services: Services, batch: list[NewJob], headers: dict[str, str]) -> list[Job]:
     jobs = services.jobs.create_many(batch)
-    queued = [(job.id, job.tier) for job in jobs if job.served_from is None]
-    enqueue_jobs(services.celery, queued, [headers] * len(queued))
+    waiting = [job for job in jobs if job.served_from is None]
+    services.dispatcher.submit(queued(waiting, [headers] * len(waiting)))
     count_submitted(job.tier for job in jobs)
     return jobs
 

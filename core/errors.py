@@ -93,6 +93,12 @@ class RateLimited(ClientError):
     code = "rate_limit_exceeded"
 
 
+class QueueFull(RateLimited):
+    """The tier's backlog would make the job miss its queue deadline: come back later."""
+
+    code = "queue_full"
+
+
 class QuotaTooSmall(ClientError):
     """A request bigger than its key's whole quota: it could never be admitted."""
 

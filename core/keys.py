@@ -48,6 +48,41 @@ def key_active(key_id: int) -> str:
     return f"{PREFIX}:key:{key_id}:active"
 
 
+def held_list(tier: Tier | str, owner: str) -> str:
+    """One owner's jobs held back from a full tier queue (`scheduler.dispatch`)."""
+    return f"{PREFIX}:held:{Tier(tier).value}:list:{owner}"
+
+
+def held_owners(tier: Tier | str) -> str:
+    """Sorted set of owners with held jobs in a tier, least recently served first."""
+    return f"{PREFIX}:held:{Tier(tier).value}:owners"
+
+
+def held_count(tier: Tier | str) -> str:
+    """How many jobs of a tier are held back."""
+    return f"{PREFIX}:held:{Tier(tier).value}:count"
+
+
+def held_round(tier: Tier | str) -> str:
+    """The round-robin counter of a tier's held owners."""
+    return f"{PREFIX}:held:{Tier(tier).value}:round"
+
+
+def sending_count(tier: Tier | str) -> str:
+    """Messages the API decided to put on a tier's queue and may not have sent yet."""
+    return f"{PREFIX}:held:{Tier(tier).value}:sending"
+
+
+def dispatching(tier: Tier | str) -> str:
+    """Jobs taken from held lists whose message may not be sent yet."""
+    return f"{PREFIX}:dispatching:{Tier(tier).value}"
+
+
+def finished_bucket(bucket: int) -> str:
+    """Jobs that ended in one 10-second bucket (Unix time // 10), counted by the workers."""
+    return f"{PREFIX}:finished:{bucket}"
+
+
 def result_cache(digest: str) -> str:
     """A deterministic request's cached result (see `core.resultcache`)."""
     return f"{PREFIX}:cache:{digest}"

@@ -63,6 +63,12 @@ class Settings(BaseSettings):
     max_attempts: int = Field(
         default=3, ge=1, description="Runs of a job whose worker is lost before it fails."
     )
+    dispatch_backlog: int = Field(
+        default=128,
+        ge=1,
+        description="Messages a tier queue holds before further jobs wait in per-owner lists "
+        "that the scheduler drains round-robin (fair share).",
+    )
     scheduler_interval_s: float = Field(
         default=1.0, gt=0, description="How often `inferq scheduler` expires and reaps jobs."
     )

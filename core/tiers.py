@@ -19,7 +19,9 @@ class TierPolicy(BaseModel):
     """What a tier promises: higher `priority` runs first; `timeout_s` bounds a job's total time.
 
     `max_queue_s` bounds the wait before a job starts (default: the whole `timeout_s`); a job
-    still queued past it ends `timed_out` without touching the engine.
+    still queued past it ends `timed_out` without touching the engine. A job of a lower tier
+    still queued `promote_after_s` after submission moves to the front of the premium queue
+    (aging), so sustained premium load cannot starve it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -28,6 +30,7 @@ class TierPolicy(BaseModel):
     timeout_s: float = Field(gt=0)
     max_tokens: int = Field(gt=0)
     max_queue_s: float | None = Field(default=None, gt=0)
+    promote_after_s: float | None = Field(default=None, gt=0)
 
     def queue_limit_s(self, timeout_s: float) -> float:
         """How long a job with total limit `timeout_s` may wait to start."""
@@ -37,8 +40,8 @@ class TierPolicy(BaseModel):
 # The seed's SLA levels.
 DEFAULT_TIER_POLICIES: dict[Tier, TierPolicy] = {
     Tier.PREMIUM: TierPolicy(priority=10, timeout_s=30, max_tokens=2048),
-    Tier.STANDARD: TierPolicy(priority=5, timeout_s=60, max_tokens=1024),
-    Tier.BASIC: TierPolicy(priority=0, timeout_s=120, max_tokens=512),
+    Tier.STANDARD: TierPolicy(priority=5, timeout_s=60, max_tokens=1024, promote_after_s=20),
+    Tier.BASIC: TierPolicy(priority=0, timeout_s=120, max_tokens=512, promote_after_s=40),
 }
 
 # Workers consume queues in this order, so a waiting premium job is always taken first.

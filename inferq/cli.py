@@ -75,7 +75,8 @@ def worker(
 
 @main.command()
 def scheduler() -> None:
-    """Run the periodic work: expire overdue queued jobs, requeue jobs of lost workers."""
+    """Run the periodic work: dispatch held jobs fairly, age waiting ones, expire overdue ones,
+    requeue jobs of lost workers."""
     import signal
     import threading
 
@@ -84,6 +85,7 @@ def scheduler() -> None:
     from core.db import Database
     from core.jobs import JobStore
     from core.metrics import serve_metrics
+    from scheduler.dispatch import Dispatcher
     from scheduler.queues import make_celery_app
     from scheduler.reaper import Scheduler
 
@@ -92,12 +94,19 @@ def scheduler() -> None:
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
+    celery = make_celery_app(settings)
+    dispatcher = Dispatcher(
+        settings, redis.Redis.from_url(settings.redis_url, socket_timeout=10), celery
+    )
+    dispatching = threading.Thread(target=dispatcher.run, args=(stopped,), name="dispatcher")
+    dispatching.start()
     Scheduler(
         settings,
         JobStore(Database(settings.sqlalchemy_url)),
         redis.Redis.from_url(settings.redis_url, socket_timeout=10),
-        make_celery_app(settings),
+        celery,
     ).run(stopped)
+    dispatching.join(timeout=10)
 
 
 @main.command()

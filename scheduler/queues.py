@@ -12,6 +12,8 @@ from core.settings import Settings, get_settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
 
 RUN_JOB_TASK = "inferq.run_job"
+ENQUEUED_AT_HEADER = "inferq_enqueued_at"
+"""Message header: when the job was submitted (Unix seconds), for aging."""
 REDELIVER_UNACKED_AFTER_S = 30
 
 
@@ -57,9 +59,10 @@ def celery_app() -> Celery:
 def enqueue_job(
     app: Celery, job_id: str, tier: Tier | str, headers: dict[str, str] | None = None
 ) -> None:
-    """Put a committed job's id on its tier's queue.
+    """Put a committed job's id on its tier's queue, whatever its length (see `dispatch`).
 
-    The message carries the id and nothing else of the job; `headers` carry its trace context.
+    The message carries the id and nothing else of the job; `headers` carry its trace context
+    and submission time.
     """
     app.send_task(RUN_JOB_TASK, args=[job_id], queue=keys.queue_name(tier), headers=headers)
 

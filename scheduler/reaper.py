@@ -26,10 +26,10 @@ from core import keys
 from core.events import EventPublisher
 from core.jobs import JobStore
 from core.metrics import JOBS_FINISHED, JOBS_REQUEUED
-from core.models import Job, utcnow
+from core.models import Job, as_utc, utcnow
 from core.settings import Settings
 from core.states import JobStatus
-from scheduler.queues import enqueue_job
+from scheduler.queues import ENQUEUED_AT_HEADER, enqueue_job
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,10 @@ class Scheduler:
                     attempt=job.attempt,
                     reason="worker_lost",
                 )
-                enqueue_job(self.celery, job.id, job.tier)
+                submitted_at = as_utc(job.created_at).timestamp()
+                enqueue_job(
+                    self.celery, job.id, job.tier, {ENQUEUED_AT_HEADER: f"{submitted_at:.6f}"}
+                )
 
     def _publish(self, job_id: str, event_type: str, **fields: Any) -> None:
         try:

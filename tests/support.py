@@ -138,9 +138,11 @@ class Stack:
         return job
 
     def queue_lengths(self) -> dict[str, int]:
-        """Messages waiting in each tier queue."""
+        """Jobs waiting in each tier: queued messages plus jobs held back for fair share."""
         return {
-            tier.value: int(self.redis.llen(keys.queue_name(tier))) for tier in TIERS_BY_PRIORITY
+            tier.value: int(self.redis.llen(keys.queue_name(tier)))
+            + int(self.redis.get(keys.held_count(tier)) or 0)
+            for tier in TIERS_BY_PRIORITY
         }
 
     @property

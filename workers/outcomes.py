@@ -136,6 +136,10 @@ class OutcomeRecorder:
                     },
                 )
             self._cache_results(pipe, [i for i in batch if i.job_id in written])
+            if written:  # the measured capacity that admission control goes by
+                bucket = keys.finished_bucket(int(time.time()) // 10)
+                pipe.incrby(bucket, len(written))
+                pipe.expire(bucket, 120)
             for item in batch:
                 self.release_lease(
                     keys=[keys.job_lease(item.job_id)], args=[item.lease_token], client=pipe

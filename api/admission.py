@@ -1,0 +1,73 @@
+"""Admission control: refuse work that would wait past its queue deadline anyway.
+
+The jobs ahead of a new one are those waiting in its tier and every higher tier (their queues
+plus the jobs held back for fair share). Workers count finished jobs in 10-second buckets; the
+best bucket of the last minute is the measured capacity. If the jobs ahead, at that rate, would
+keep the new job waiting past its queue limit, it is refused with 429 `queue_full` and a
+`Retry-After` of the excess, rather than accepted to time out. With no measurement yet (an idle
+or freshly started system), everything is admitted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import redis.exceptions
+
+from api.services import Services
+from core import keys
+from core.errors import QueueFull
+from core.jobs import NewJob
+from core.tiers import TIERS_BY_PRIORITY, Tier
+
+BUCKET_S = 10
+WINDOW_BUCKETS = 6
+
+
+async def waiting_counts(services: Services) -> dict[Tier, int]:
+    """Jobs waiting per tier: queued messages plus jobs held back for fair share."""
+    pipe = services.redis.pipeline(transaction=False)
+    for tier in TIERS_BY_PRIORITY:
+        pipe.llen(keys.queue_name(tier))
+        pipe.get(keys.held_count(tier))
+    replies = await pipe.execute()
+    return {
+        tier: int(replies[2 * i]) + int(replies[2 * i + 1] or 0)
+        for i, tier in enumerate(TIERS_BY_PRIORITY)
+    }
+
+
+async def measured_capacity(services: Services) -> float:
+    """Jobs per second the workers finished in the best complete bucket of the last minute."""
+    current = int(time.time()) // BUCKET_S
+    buckets = [keys.finished_bucket(current - i) for i in range(1, WINDOW_BUCKETS + 1)]
+    counts = await services.redis.mget(buckets)
+    return max(int(count or 0) for count in counts) / BUCKET_S
+
+
+async def admit_to_queue(services: Services, batch: list[NewJob]) -> None:
+    """Raise `QueueFull` if the batch's jobs would wait past their queue limits."""
+    if not batch:
+        return
+    try:
+        capacity = await measured_capacity(services)
+        if capacity <= 0:
+            return
+        waiting = await waiting_counts(services)
+    except redis.exceptions.RedisError:  # submission itself will say what is wrong
+        return
+    tier = Tier(batch[0].tier)
+    ahead = sum(waiting[t] for t in TIERS_BY_PRIORITY[: TIERS_BY_PRIORITY.index(tier) + 1])
+    # The last job of the batch waits for everything ahead plus the rest of the batch.
+    wait_s = (ahead + len(batch)) / capacity
+    limit_s = min(new.queue_timeout_s or new.timeout_s for new in batch)
+    if wait_s <= limit_s:
+        return
+    retry_after = max(1, math.ceil(wait_s - limit_s))
+    raise QueueFull(
+        f"The {tier.value} queue is full: {ahead} jobs are waiting ahead, and at the measured "
+        f"{capacity:g} jobs/s this {'batch' if len(batch) > 1 else 'job'} would wait about "
+        f"{wait_s:.0f} s, past its queue limit of {limit_s:g} s. Retry in {retry_after} s.",
+        retry_after=retry_after,
+    )

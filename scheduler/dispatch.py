@@ -1,0 +1,278 @@
+"""Fair, aging dispatch into the tier queues.
+
+The Celery queue of a tier is a plain FIFO list that workers pop in tier order. Two things it
+cannot do by itself are done here:
+
+- **Fair share between owners.** While a tier's queue holds fewer than `dispatch_backlog`
+  messages and nothing is held back, a job goes straight onto it (the common, unloaded case:
+  no extra hop). Past that, jobs wait in per-owner lists (`inferq:held:{tier}:{owner}`), and the
+  scheduler's dispatcher refills the queue from them round-robin, least recently served owner
+  first. One owner's flood then sits in its own list, and another owner's job is at most one
+  round behind it, not behind the whole flood.
+- **Aging.** Every message carries its job's submission time (`inferq_enqueued_at`). A message
+  in a lower tier's queue older than that tier's `promote_after_s` is moved, atomically, to the
+  front of the premium queue, so a basic job's wait stays bounded under sustained premium load.
+
+Every move is one Lua script, and a job taken from a held list is parked in
+`inferq:dispatching:{tier}` until its message is sent, so a dispatcher that dies mid-move leaves
+the job to be sent by the next one (a duplicate message is harmless: workers skip a job that is
+claimed or final).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+from celery import Celery
+
+from core import keys
+from core.models import Job, as_utc
+from core.settings import Settings
+from core.tiers import TIERS_BY_PRIORITY, Tier
+from scheduler.queues import ENQUEUED_AT_HEADER, enqueue_jobs
+
+log = logging.getLogger(__name__)
+
+# Room in a tier's queue: its backlog less the messages in it and those on their way to it
+# (counted in `sending` until sent; the count lapses by itself if a sender dies).
+_ROOM = """
+local function room(backlog)
+  return backlog - redis.call('LLEN', KEYS[1]) - redis.call('LLEN', KEYS[5])
+    - tonumber(redis.call('GET', KEYS[6]) or '0')
+end
+"""
+
+# KEYS: queue, held count, owners zset, round counter, dispatching list, sending count.
+# ARGV: backlog, held-list prefix, then (owner, entry) pairs. Returns the entries to send now
+# (counted as sending); the rest are held.
+_HOLD_OR_SEND = (
+    _ROOM
+    + """
+local room = room(tonumber(ARGV[1]))
+local held = tonumber(redis.call('GET', KEYS[2]) or '0')
+local round = tonumber(redis.call('GET', KEYS[4]) or '0')
+local send = {}
+for i = 3, #ARGV, 2 do
+  if held == 0 and room > 0 then
+    table.insert(send, ARGV[i + 1])
+    room = room - 1
+  else
+    redis.call('RPUSH', ARGV[2] .. ARGV[i], ARGV[i + 1])
+    redis.call('ZADD', KEYS[3], 'NX', round, ARGV[i])
+    held = held + 1
+  end
+end
+redis.call('SET', KEYS[2], held)
+if #send > 0 then
+  redis.call('INCRBY', KEYS[6], #send)
+  redis.call('EXPIRE', KEYS[6], 30)
+end
+return send
+"""
+)
+
+# KEYS: as above. ARGV: backlog, held-list prefix.
+# Takes held entries round-robin across owners until the queue is full; parks them.
+_TAKE_HELD = (
+    _ROOM
+    + """
+local room = room(tonumber(ARGV[1]))
+local taken = {}
+while room > 0 do
+  local first = redis.call('ZRANGE', KEYS[3], 0, 0)
+  if #first == 0 then break end
+  local owner = first[1]
+  local list = ARGV[2] .. owner
+  local entry = redis.call('LPOP', list)
+  if redis.call('LLEN', list) == 0 then
+    redis.call('ZREM', KEYS[3], owner)
+  else
+    redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), owner)
+  end
+  if entry then
+    redis.call('DECR', KEYS[2])
+    redis.call('RPUSH', KEYS[5], entry)
+    table.insert(taken, entry)
+    room = room - 1
+  end
+end
+return taken
+"""
+)
+
+# KEYS: a lower tier's queue, the premium queue. ARGV: cutoff (Unix s), how many to scan.
+# Moves messages submitted before the cutoff to the premium queue's consuming end.
+_PROMOTE = """
+local items = redis.call('LRANGE', KEYS[1], -tonumber(ARGV[2]), -1)
+local moved = 0
+for i = 1, #items do
+  local ok, message = pcall(cjson.decode, items[i])
+  if ok and type(message) == 'table' and type(message.headers) == 'table' then
+    local at = tonumber(message.headers.inferq_enqueued_at)
+    if at and at <= tonumber(ARGV[1]) and redis.call('LREM', KEYS[1], -1, items[i]) == 1 then
+      redis.call('RPUSH', KEYS[2], items[i])
+      moved = moved + 1
+    end
+  end
+end
+return moved
+"""
+
+PROMOTE_SCAN = 256
+"""How many of a queue's oldest messages one aging pass looks at."""
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """A committed job to put on its tier's queue."""
+
+    id: str
+    tier: str
+    owner: str
+    enqueued_at: float = field(default_factory=time.time)
+    headers: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def entry(self) -> str:
+        """How the job is kept in a held list."""
+        return f"{self.id} {self.enqueued_at:.6f}"
+
+
+def queued(jobs: list[Job], headers: list[dict[str, str]] | None = None) -> list[QueuedJob]:
+    """The stored jobs as dispatcher input (submission time: their `created_at`)."""
+    return [
+        QueuedJob(
+            job.id,
+            job.tier,
+            job.owner,
+            as_utc(job.created_at).timestamp(),
+            headers[index] if headers else {},
+        )
+        for index, job in enumerate(jobs)
+    ]
+
+
+def _parse(entry: bytes | str, tier: Tier) -> QueuedJob:
+    text = entry.decode() if isinstance(entry, bytes) else entry
+    job_id, enqueued_at = text.split(" ", 1)
+    return QueuedJob(job_id, tier.value, "", float(enqueued_at))
+
+
+def _send(celery: Celery, jobs: list[QueuedJob]) -> None:
+    enqueue_jobs(
+        celery,
+        [(job.id, job.tier) for job in jobs],
+        [{**job.headers, ENQUEUED_AT_HEADER: f"{job.enqueued_at:.6f}"} for job in jobs],
+    )
+
+
+class Dispatcher:
+    """Puts jobs on the tier queues fairly; see the module docstring."""
+
+    def __init__(self, settings: Settings, client: redis.Redis, celery: Celery) -> None:
+        self.settings = settings
+        self.redis = client
+        self.celery = celery
+        self._hold = client.register_script(_HOLD_OR_SEND)
+        self._take = client.register_script(_TAKE_HELD)
+        self._promote = client.register_script(_PROMOTE)
+
+    def _keys(self, tier: Tier) -> list[str]:
+        return [
+            keys.queue_name(tier),
+            keys.held_count(tier),
+            keys.held_owners(tier),
+            keys.held_round(tier),
+            keys.dispatching(tier),
+            keys.sending_count(tier),
+        ]
+
+    def submit(self, jobs: list[QueuedJob]) -> None:
+        """Enqueue committed jobs now, or hold them in their owners' lists if the queue is full."""
+        for tier in TIERS_BY_PRIORITY:
+            of_tier = [job for job in jobs if job.tier == tier.value]
+            if not of_tier:
+                continue
+            args: list[str | int] = [self.settings.dispatch_backlog, keys.held_list(tier, "")]
+            for job in of_tier:
+                args += [job.owner, job.entry()]
+            send = {raw.decode() for raw in self._hold(keys=self._keys(tier), args=args)}
+            if send:
+                try:
+                    _send(self.celery, [job for job in of_tier if job.entry() in send])
+                finally:
+                    self.redis.decrby(keys.sending_count(tier), len(send))
+
+    def release(self) -> int:
+        """Refill every tier's queue from the held lists; returns how many jobs were sent."""
+        sent = 0
+        for tier in TIERS_BY_PRIORITY:
+            parked = keys.dispatching(tier)
+            args: list[str | int] = [self.settings.dispatch_backlog, keys.held_list(tier, "")]
+            taken = self._take(keys=self._keys(tier), args=args)
+            if taken:
+                _send(self.celery, [_parse(entry, tier) for entry in taken])
+                pipe = self.redis.pipeline(transaction=False)
+                for entry in taken:
+                    pipe.lrem(parked, 1, entry)
+                pipe.execute()
+                sent += len(taken)
+        return sent
+
+    def recover(self) -> int:
+        """Send the jobs a dispatcher parked but may not have sent (run at start)."""
+        resent = 0
+        for tier in TIERS_BY_PRIORITY:
+            parked = keys.dispatching(tier)
+            entries = self.redis.lrange(parked, 0, -1)
+            if entries:
+                _send(self.celery, [_parse(entry, tier) for entry in entries])
+                self.redis.delete(parked)
+                resent += len(entries)
+        return resent
+
+    def promote(self, now: float | None = None) -> int:
+        """Move lower tiers' messages that waited past `promote_after_s` to the premium queue."""
+        now = time.time() if now is None else now
+        moved = 0
+        for tier in TIERS_BY_PRIORITY[1:]:
+            after_s = self.settings.tier_policy(tier).promote_after_s
+            if after_s is None:
+                continue
+            moved += int(
+                self._promote(
+                    keys=[keys.queue_name(tier), keys.queue_name(TIERS_BY_PRIORITY[0])],
+                    args=[now - after_s, PROMOTE_SCAN],
+                )
+            )
+        return moved
+
+    def held(self) -> dict[str, int]:
+        """Jobs held back per tier."""
+        values = self.redis.mget([keys.held_count(tier) for tier in TIERS_BY_PRIORITY])
+        return {
+            tier.value: int(value or 0)
+            for tier, value in zip(TIERS_BY_PRIORITY, values, strict=True)
+        }
+
+    def run(self, stopped: threading.Event, interval_s: float = 0.02) -> None:
+        """Release held jobs every `interval_s` and age queued ones, until `stopped` is set."""
+        recovered = self.recover()
+        if recovered:
+            log.info("dispatcher: re-sent %d parked jobs", recovered)
+        last_promote = 0.0
+        while not stopped.is_set():
+            try:
+                self.release()
+                if time.monotonic() - last_promote >= 0.5:
+                    last_promote = time.monotonic()
+                    promoted = self.promote()
+                    if promoted:
+                        log.info("dispatcher: %d waiting jobs promoted to premium", promoted)
+            except redis.RedisError:
+                log.warning("dispatcher: Redis unavailable; retrying", exc_info=True)
+                stopped.wait(1.0)
+            stopped.wait(interval_s)

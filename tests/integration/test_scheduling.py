@@ -1,0 +1,137 @@
+"""Scheduling across tiers and owners: priority, fair share, aging and admission control."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timedelta
+from typing import Any
+
+from core.tiers import Tier
+from tests.integration.test_cancel_and_deadlines import full_worker
+from tests.support import Stack, wait_final
+
+
+def _started(job: dict[str, Any]) -> datetime:
+    created = datetime.fromisoformat(job["created_at"])
+    return created + timedelta(seconds=job["timings"]["queue_s"])
+
+
+def _batch(stack: Stack, key: str, count: int, **body: Any) -> list[dict[str, Any]]:
+    jobs = [{"prompt": f"Job {i}.", "max_tokens": 4, **body} for i in range(count)]
+    with stack.client(key) as client:
+        response = client.post("/v1/jobs/batch", json={"jobs": jobs})
+        assert response.status_code == 202, response.text
+        created: list[dict[str, Any]] = response.json()["data"]
+        return created
+
+
+def _finals(stack: Stack, key: str, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    with stack.client(key) as client:
+        return [wait_final(client, job["id"], timeout_s=240) for job in jobs]
+
+
+def test_premium_jobs_behind_100_basic_jobs_each_start_before_another_basic_one(
+    stack: Stack,
+) -> None:
+    basic_key = stack.create_key(Tier.BASIC)
+    premium_key = stack.create_key(Tier.PREMIUM)
+    with full_worker(stack):
+        basic = _batch(stack, basic_key, 100)
+        premium = [
+            stack.submit(premium_key, prompt=f"Premium {i}.", max_tokens=4) for i in range(5)
+        ]
+    basic_done = _finals(stack, basic_key, basic)
+    premium_done = _finals(stack, premium_key, premium)
+
+    assert all(job["status"] == "succeeded" for job in basic_done + premium_done)
+    basic_starts = sorted(_started(job) for job in basic_done)
+    for job in premium_done:
+        # At most one basic job (a slot freed while the premium jobs were posted) goes first.
+        assert sum(start < _started(job) for start in basic_starts) <= 1
+
+
+def test_a_flooding_owner_does_not_starve_another_owner_of_the_same_tier(stack: Stack) -> None:
+    flooder = stack.create_key(Tier.BASIC)
+    other = stack.create_key(Tier.BASIC)
+    with full_worker(stack):
+        flood = _batch(stack, flooder, 300)
+        later = _batch(stack, other, 3)
+        held = stack.queue_lengths()["basic"]
+    flood_done = _finals(stack, flooder, flood)
+    later_done = _finals(stack, other, later)
+
+    assert held >= 303 - 5  # all of it waited: 128 in the queue, the rest held per owner
+    assert all(job["status"] == "succeeded" for job in flood_done + later_done)
+    starts = sorted(_started(job) for job in flood_done + later_done)
+    for job in later_done:
+        # Round-robin after the queue's backlog: not behind the flood's 172 held jobs.
+        assert starts.index(_started(job)) < 128 + 2 * 3 + 10
+
+
+def test_under_continuous_premium_load_a_basic_job_still_finishes(stack: Stack) -> None:
+    premium_key = stack.create_key(Tier.PREMIUM)
+    basic_key = stack.create_key(Tier.BASIC)
+    submitted: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def keep_premium_queue_full() -> None:
+        while not stop.is_set():
+            if stack.queue_lengths()["premium"] < 16:
+                submitted.extend(
+                    stack.submit(premium_key, prompt=f"Load {i}.", max_tokens=1000, ignore_eos=True)
+                    for i in range(8)
+                )
+            time.sleep(0.2)
+
+    load = threading.Thread(target=keep_premium_queue_full, daemon=True)
+    load.start()
+    try:
+        deadline = time.monotonic() + 60
+        while stack.queue_lengths()["premium"] < 8:
+            assert time.monotonic() < deadline, "the premium load did not build up"
+            time.sleep(0.2)
+        basic = stack.submit(basic_key, prompt="Starving?", max_tokens=8)
+        with stack.client(basic_key) as client:
+            done = wait_final(client, basic["id"], timeout_s=150)
+        waiting_premium = stack.queue_lengths()["premium"]
+    finally:
+        stop.set()
+        load.join()
+        with stack.client(premium_key) as client:
+            for job in submitted:
+                client.delete(f"/v1/jobs/{job['id']}")
+    assert done["status"] == "succeeded", done
+    assert done["timings"]["total_s"] < 120
+    # It went ahead of premium jobs that were still waiting: aging, not a lull in the load.
+    assert waiting_premium > 0
+    stack.wait_idle(timeout_s=120)
+
+
+def test_a_batch_that_would_miss_its_queue_deadline_is_refused_with_429(stack: Stack) -> None:
+    key = stack.create_key(Tier.BASIC)
+    # Let the workers' throughput be measured: it is counted in complete 10-second buckets.
+    _finals(stack, key, _batch(stack, key, 40, max_tokens=1))
+    time.sleep(10.5 - time.time() % 10)
+    with stack.client(key) as client:
+        before = len(client.get("/v1/jobs", params={"limit": 100}).json()["data"])
+        refused = client.post(
+            "/v1/jobs/batch",
+            json={
+                "jobs": [
+                    {"prompt": f"Late {i}.", "max_tokens": 1, "timeout_s": 2} for i in range(500)
+                ]
+            },
+        )
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "queue_full"
+        assert "queue limit of 2 s" in error["message"]
+        assert int(refused.headers["retry-after"]) >= 1
+        # Nothing of it was stored or queued.
+        assert len(client.get("/v1/jobs", params={"limit": 100}).json()["data"]) == before
+
+        # A job that fits its deadline is still taken.
+        fits = client.post("/v1/jobs", json={"prompt": "On time.", "max_tokens": 1})
+        assert fits.status_code == 202, fits.text
+        assert wait_final(client, fits.json()["id"])["status"] == "succeeded"

@@ -139,7 +139,7 @@ def save_chart(modes: list[ModeResult], title: str, path: Path) -> None:
 def running_stack(
     settings: Settings, api_port: int, env: dict[str, str] | None = None
 ) -> Iterator[tuple[str, str, float]]:
-    """A local stack (own redis-server, the database, one CPU worker, the API) for a benchmark.
+    """A local stack (own redis-server, the database, one CPU worker, the scheduler, the API).
 
     Yields the API's URL, a premium key and the start-up time; stops everything afterwards.
     `env` adds settings for the children (e.g. `INFERQ_WORKER_CONCURRENCY`).
@@ -166,7 +166,9 @@ def running_stack(
         upgrade(settings.sqlalchemy_url)
         key, _ = KeyStore(Database(settings.sqlalchemy_url)).create("bench", Tier.PREMIUM)
         started = time.perf_counter()
+        stack.env.setdefault("INFERQ_SCHEDULER_METRICS_PORT", "0")
         stack.inferq("worker", "worker", "--device", "cpu")
+        stack.inferq("scheduler", "scheduler")
         stack.inferq("api", "api", "--port", str(api_port))
         api_url = f"http://127.0.0.1:{api_port}"
         if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):

@@ -65,7 +65,7 @@ class OutcomeRecorder:
         self.store = store
         self.publisher = publisher
         self.release_lease = release_lease
-        # Called before final events go out: publishes the deltas still queued, which precede them.
+        # Called before outcomes are stored: publishes the deltas still queued, which precede them.
         self.before_final = before_final
         # A succeeded deterministic job's result answers its repeats this long (0: never).
         self.cache_ttl_s = cache_ttl_s
@@ -108,6 +108,16 @@ class OutcomeRecorder:
                 item.ticket.set_result(statuses.get(item.job_id))
 
     def _record_batch(self, batch: list[_Finished]) -> dict[str, JobStatus]:
+        # Every delta goes out before the outcome is stored: a worker killed in between leaves
+        # either a running job (its next attempt streams anew) or a final one whose stream is
+        # whole, never a final job whose deltas stop short of its text.
+        if self.before_final is not None:
+            try:
+                self.before_final()
+            except TimeoutError:  # Redis is stuck; the stored result is what counts
+                log.warning(
+                    "deltas still queued after the timeout; storing %d outcomes", len(batch)
+                )
         try:
             ids = self.store.finish_attempts([(i.job_id, i.attempt, i.outcome) for i in batch])
             written = {i.job_id: i.outcome for i in batch if i.job_id in ids}
@@ -118,8 +128,6 @@ class OutcomeRecorder:
                 outcome = self._store(item.job_id, item.attempt, item.outcome)
                 if outcome is not None:
                     written[item.job_id] = outcome
-        if self.before_final is not None:
-            self.before_final()
         try:
             pipe = self.publisher.client.pipeline(transaction=False)
             for job_id, outcome in written.items():

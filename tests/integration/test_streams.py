@@ -8,6 +8,10 @@ from typing import Any
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
+from core import keys
+from core.events import EventPublisher
+from core.jobs import JobStore, NewJob
+from core.states import JobStatus
 from core.tiers import Tier
 from tests.support import (
     BLOCKER_TOKENS,
@@ -17,6 +21,9 @@ from tests.support import (
     streamed_text,
     wait_final,
 )
+from workers.generation import Delta, GenerationResult
+from workers.outcomes import OutcomeRecorder
+from workers.streams import DeltaPublisher
 
 
 def _check_stream(events: list[dict[str, Any]]) -> None:
@@ -215,3 +222,44 @@ def test_a_streaming_client_that_goes_away_cancels_its_job_unless_asked_not_to(
         assert wait_final(client, ids[0], timeout_s=60)["status"] == "cancelled"
         assert client.get(f"/v1/jobs/{ids[1]}").json()["status"] == "running"
         assert client.delete(f"/v1/jobs/{ids[1]}").json()["status"] == "cancelled"
+
+
+def test_a_job_is_stored_final_only_after_its_deltas_are_published(stack: Stack) -> None:
+    """A worker killed between the two must not leave a final job whose stream stops short."""
+    store = JobStore(stack.db)
+    job, _ = store.create(
+        NewJob(
+            owner="probe",
+            tier=Tier.BASIC.value,
+            prompt="p",
+            sampling_params={},
+            timeout_s=60,
+            prompt_tokens=1,
+        )
+    )
+    (job,) = store.start_attempts([job.id], "probe@inferq-test")
+    publisher = EventPublisher(stack.redis, ttl_s=60)
+    deltas = DeltaPublisher(publisher)
+    status_when_flushed: list[str] = []
+
+    def flush() -> None:
+        row = store.get(job.id)
+        assert row is not None
+        status_when_flushed.append(row.status)
+        deltas.flush()
+
+    release = stack.redis.register_script("return 0")
+    recorder = OutcomeRecorder(store, publisher, release, before_final=flush)
+    deltas.publish_step(
+        [Delta(job.id, job.attempt, "Hello, ", 2), Delta(job.id, job.attempt, "world", 1)]
+    )
+    result = GenerationResult(JobStatus.SUCCEEDED, text="Hello, world", completion_tokens=3)
+    assert recorder.record(job, result, lease_token="t") is JobStatus.SUCCEEDED
+
+    assert status_when_flushed == ["running"]
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = stack.redis.xrange(  # type: ignore[assignment]
+        keys.job_event_stream(job.id)
+    )
+    events = [json.loads(fields[b"e"]) for _, fields in entries]
+    assert [e["type"] for e in events] == ["delta", "done"]
+    assert "".join(e["text"] for e in events if e["type"] == "delta") == "Hello, world"

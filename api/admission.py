@@ -1,7 +1,8 @@
 """Admission control: refuse work that would wait past its queue deadline anyway.
 
-The jobs ahead of a new one are those waiting in its tier and every higher tier (their queues
-plus the jobs held back for fair share). Workers count finished jobs in 10-second buckets; the
+The jobs ahead of a new one are those waiting in its tier and every higher tier (the shared
+queues, the workers' own queues of routed jobs, and the jobs held back for fair share). Workers
+count finished jobs in 10-second buckets; the
 best bucket of the last minute is the measured capacity. If the jobs ahead, at that rate, would
 keep the new job waiting past its queue limit, it is refused with 429 `queue_full` and a
 `Retry-After` of the excess, rather than accepted to time out. With no measurement yet (an idle
@@ -20,22 +21,16 @@ from core import keys
 from core.errors import QueueFull
 from core.jobs import NewJob
 from core.tiers import TIERS_BY_PRIORITY, Tier
+from scheduler.routing import WAITING_SCRIPT, waiting_args
 
 BUCKET_S = 10
 WINDOW_BUCKETS = 6
 
 
 async def waiting_counts(services: Services) -> dict[Tier, int]:
-    """Jobs waiting per tier: queued messages plus jobs held back for fair share."""
-    pipe = services.redis.pipeline(transaction=False)
-    for tier in TIERS_BY_PRIORITY:
-        pipe.llen(keys.queue_name(tier))
-        pipe.get(keys.held_count(tier))
-    replies = await pipe.execute()
-    return {
-        tier: int(replies[2 * i]) + int(replies[2 * i + 1] or 0)
-        for i, tier in enumerate(TIERS_BY_PRIORITY)
-    }
+    """Jobs waiting per tier: queued messages (shared and routed) plus jobs held back."""
+    counts = await services.redis.eval(WAITING_SCRIPT, 0, *waiting_args())
+    return {tier: int(n) for tier, n in zip(TIERS_BY_PRIORITY, counts, strict=True)}
 
 
 async def measured_capacity(services: Services) -> float:

@@ -65,6 +65,8 @@ class SubmissionBatcher:
     def _store_and_enqueue(self, batch: list[NewJob]) -> list[Job]:
         # The rows are committed before any id is enqueued.
         stored = self.jobs.create_many(batch)
-        self.dispatcher.submit(queued(stored, [new.trace_headers for new in batch]))
+        headers = [new.trace_headers for new in batch]
+        route_chars = self.dispatcher.settings.prefix_route_chars
+        self.dispatcher.submit(queued(stored, headers, route_chars=route_chars))
         count_submitted(job.tier for job in stored)
         return stored

@@ -113,7 +113,9 @@ def _submit_blocking(services: Services, new: NewJob) -> tuple[Job, bool]:
     job, created = services.jobs.create(new)
     if created:
         if new.cached is None:
-            services.dispatcher.submit(queued([job], [new.trace_headers]))
+            services.dispatcher.submit(
+                queued([job], [new.trace_headers], route_chars=services.settings.prefix_route_chars)
+            )
         count_submitted([job.tier])
     return job, created
 
@@ -154,7 +156,9 @@ def _new_jobs(
 def _store_many(services: Services, batch: list[NewJob], headers: dict[str, str]) -> list[Job]:
     jobs = services.jobs.create_many(batch)
     waiting = [job for job in jobs if job.served_from is None]
-    services.dispatcher.submit(queued(waiting, [headers] * len(waiting)))
+    services.dispatcher.submit(
+        queued(waiting, [headers] * len(waiting), route_chars=services.settings.prefix_route_chars)
+    )
     count_submitted(job.tier for job in jobs)
     return jobs
 

@@ -13,6 +13,14 @@ def queue_name(tier: Tier | str) -> str:
     return f"{PREFIX}.{Tier(tier).value}"
 
 
+def worker_queue_name(tier: Tier | str, worker_name: str) -> str:
+    """A worker's own queue of one tier, for jobs routed to it by prompt prefix.
+
+    The scheduler's reclaim script builds the same name (`{queue}.{worker}`) in Lua.
+    """
+    return f"{queue_name(tier)}.{worker_name}"
+
+
 def job_events_channel(job_id: str) -> str:
     """Pub/sub channel carrying a job's live events."""
     return f"{PREFIX}:job:{job_id}:events"

@@ -69,6 +69,18 @@ class Settings(BaseSettings):
         description="Messages a tier queue holds before further jobs wait in per-owner lists "
         "that the scheduler drains round-robin (fair share).",
     )
+    prefix_route_chars: int = Field(
+        default=1024,
+        ge=0,
+        description="Prompts at least this long go to the worker their first this-many "
+        "characters hash to, so its prefix cache serves what they share; 0: no routing.",
+    )
+    prefix_route_backlog: int = Field(
+        default=64,
+        ge=1,
+        description="A routed job goes to the shared tier queue instead when its worker "
+        "already has this many jobs waiting in its own queue.",
+    )
     scheduler_interval_s: float = Field(
         default=1.0, gt=0, description="How often `inferq scheduler` expires and reaps jobs."
     )

@@ -12,6 +12,10 @@ cannot do by itself are done here:
 - **Aging.** Every message carries its job's submission time (`inferq_enqueued_at`). A message
   in a lower tier's queue older than that tier's `promote_after_s` is moved, atomically, to the
   front of the premium queue, so a basic job's wait stays bounded under sustained premium load.
+  A worker's own queues (see `scheduler.routing`) age the same way, into its own premium queue.
+- **Prefix routing.** A job with a long prompt is sent to the worker its prefix hashes to (see
+  `scheduler.routing`); the dispatcher also hands lost workers' own queues back to the shared
+  ones.
 
 Every move is one Lua script, and a job taken from a held list is parked in
 `inferq:dispatching:{tier}` until its message is sent, so a dispatcher that dies mid-move leaves
@@ -34,6 +38,7 @@ from core.models import Job, as_utc
 from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from scheduler.queues import ENQUEUED_AT_HEADER, enqueue_jobs
+from scheduler.routing import WorkerDirectory, pick_worker, prefix_key
 
 log = logging.getLogger(__name__)
 
@@ -135,14 +140,22 @@ class QueuedJob:
     owner: str
     enqueued_at: float = field(default_factory=time.time)
     headers: dict[str, str] = field(default_factory=dict, compare=False)
+    route: str | None = None
+    """The prompt's prefix key, for jobs routed to a worker (see `scheduler.routing`)."""
 
     def entry(self) -> str:
         """How the job is kept in a held list."""
-        return f"{self.id} {self.enqueued_at:.6f}"
+        entry = f"{self.id} {self.enqueued_at:.6f}"
+        return f"{entry} {self.route}" if self.route else entry
 
 
-def queued(jobs: list[Job], headers: list[dict[str, str]] | None = None) -> list[QueuedJob]:
-    """The stored jobs as dispatcher input (submission time: their `created_at`)."""
+def queued(
+    jobs: list[Job], headers: list[dict[str, str]] | None = None, *, route_chars: int = 0
+) -> list[QueuedJob]:
+    """The stored jobs as dispatcher input (submission time: their `created_at`).
+
+    Prompts of at least `route_chars` characters get a prefix key (0: none do).
+    """
     return [
         QueuedJob(
             job.id,
@@ -150,6 +163,7 @@ def queued(jobs: list[Job], headers: list[dict[str, str]] | None = None) -> list
             job.owner,
             as_utc(job.created_at).timestamp(),
             headers[index] if headers else {},
+            prefix_key(job.prompt, route_chars),
         )
         for index, job in enumerate(jobs)
     ]
@@ -157,16 +171,8 @@ def queued(jobs: list[Job], headers: list[dict[str, str]] | None = None) -> list
 
 def _parse(entry: bytes | str, tier: Tier) -> QueuedJob:
     text = entry.decode() if isinstance(entry, bytes) else entry
-    job_id, enqueued_at = text.split(" ", 1)
-    return QueuedJob(job_id, tier.value, "", float(enqueued_at))
-
-
-def _send(celery: Celery, jobs: list[QueuedJob]) -> None:
-    enqueue_jobs(
-        celery,
-        [(job.id, job.tier) for job in jobs],
-        [{**job.headers, ENQUEUED_AT_HEADER: f"{job.enqueued_at:.6f}"} for job in jobs],
-    )
+    job_id, enqueued_at, *route = text.split(" ")
+    return QueuedJob(job_id, tier.value, "", float(enqueued_at), route=route[0] if route else None)
 
 
 class Dispatcher:
@@ -179,6 +185,7 @@ class Dispatcher:
         self._hold = client.register_script(_HOLD_OR_SEND)
         self._take = client.register_script(_TAKE_HELD)
         self._promote = client.register_script(_PROMOTE)
+        self.workers = WorkerDirectory(client)
 
     def _keys(self, tier: Tier) -> list[str]:
         return [
@@ -202,7 +209,7 @@ class Dispatcher:
             send = {raw.decode() for raw in self._hold(keys=self._keys(tier), args=args)}
             if send:
                 try:
-                    _send(self.celery, [job for job in of_tier if job.entry() in send])
+                    self._send([job for job in of_tier if job.entry() in send])
                 finally:
                     self.redis.decrby(keys.sending_count(tier), len(send))
 
@@ -214,7 +221,7 @@ class Dispatcher:
             args: list[str | int] = [self.settings.dispatch_backlog, keys.held_list(tier, "")]
             taken = self._take(keys=self._keys(tier), args=args)
             if taken:
-                _send(self.celery, [_parse(entry, tier) for entry in taken])
+                self._send([_parse(entry, tier) for entry in taken])
                 pipe = self.redis.pipeline(transaction=False)
                 for entry in taken:
                     pipe.lrem(parked, 1, entry)
@@ -229,25 +236,63 @@ class Dispatcher:
             parked = keys.dispatching(tier)
             entries = self.redis.lrange(parked, 0, -1)
             if entries:
-                _send(self.celery, [_parse(entry, tier) for entry in entries])
+                self._send([_parse(entry, tier) for entry in entries])
                 self.redis.delete(parked)
                 resent += len(entries)
         return resent
 
+    def _send(self, jobs: list[QueuedJob]) -> None:
+        """Put the jobs' messages on their queues: a routed job's worker's own, or its tier's."""
+        enqueue_jobs(
+            self.celery,
+            [(job.id, job.tier) for job in jobs],
+            [{**job.headers, ENQUEUED_AT_HEADER: f"{job.enqueued_at:.6f}"} for job in jobs],
+            self._routes(jobs),
+        )
+
+    def _routes(self, jobs: list[QueuedJob]) -> list[str | None]:
+        """Each job's worker queue, or None: not routed, no live worker, or that one is busy."""
+        if not any(job.route for job in jobs):
+            return [None] * len(jobs)
+        live = self.workers.live()
+        chosen = [
+            keys.worker_queue_name(job.tier, worker)
+            if job.route and (worker := pick_worker(job.route, live))
+            else None
+            for job in jobs
+        ]
+        targets = sorted({target for target in chosen if target})
+        pipe = self.redis.pipeline(transaction=False)
+        for name in targets:
+            pipe.llen(name)
+        waiting = dict(zip(targets, pipe.execute(), strict=True))
+        routes: list[str | None] = []
+        for target in chosen:
+            if target is not None and waiting[target] < self.settings.prefix_route_backlog:
+                waiting[target] += 1
+                routes.append(target)
+            else:
+                routes.append(None)
+        return routes
+
     def promote(self, now: float | None = None) -> int:
-        """Move lower tiers' messages that waited past `promote_after_s` to the premium queue."""
+        """Move lower tiers' messages that waited past `promote_after_s` to the premium queue.
+
+        Shared queues age into the shared premium queue, a worker's own queues into its own.
+        """
         now = time.time() if now is None else now
+        owners: list[str | None] = [None, *self.workers.live()]
         moved = 0
         for tier in TIERS_BY_PRIORITY[1:]:
             after_s = self.settings.tier_policy(tier).promote_after_s
             if after_s is None:
                 continue
-            moved += int(
-                self._promote(
-                    keys=[keys.queue_name(tier), keys.queue_name(TIERS_BY_PRIORITY[0])],
-                    args=[now - after_s, PROMOTE_SCAN],
-                )
-            )
+            for worker in owners:
+                queues = [
+                    keys.worker_queue_name(t, worker) if worker else keys.queue_name(t)
+                    for t in (tier, TIERS_BY_PRIORITY[0])
+                ]
+                moved += int(self._promote(keys=queues, args=[now - after_s, PROMOTE_SCAN]))
         return moved
 
     def held(self) -> dict[str, int]:
@@ -272,6 +317,11 @@ class Dispatcher:
                     promoted = self.promote()
                     if promoted:
                         log.info("dispatcher: %d waiting jobs promoted to premium", promoted)
+                    reclaimed = self.workers.reclaim()
+                    if reclaimed:
+                        log.info(
+                            "dispatcher: %d jobs of lost workers back in the queues", reclaimed
+                        )
             except redis.RedisError:
                 log.warning("dispatcher: Redis unavailable; retrying", exc_info=True)
                 stopped.wait(1.0)

@@ -71,14 +71,19 @@ def enqueue_jobs(
     app: Celery,
     jobs: list[tuple[str, Tier | str]],
     headers: list[dict[str, str]] | None = None,
+    queues: list[str | None] | None = None,
 ) -> None:
-    """Enqueue many committed jobs (id, tier) over one broker connection (headers: per job)."""
+    """Enqueue many committed jobs (id, tier) over one broker connection.
+
+    `headers` are per job; so are `queues`, where a job goes to a queue other than its tier's
+    (None: its tier's).
+    """
     with app.producer_or_acquire() as producer:
         for index, (job_id, tier) in enumerate(jobs):
             app.send_task(
                 RUN_JOB_TASK,
                 args=[job_id],
-                queue=keys.queue_name(tier),
+                queue=(queues[index] if queues else None) or keys.queue_name(tier),
                 producer=producer,
                 headers=headers[index] if headers else None,
             )

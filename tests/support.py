@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -24,10 +26,11 @@ from core import keys
 from core.apikeys import KeyStore, Quota
 from core.db import Database
 from core.settings import Settings
-from core.tiers import TIERS_BY_PRIORITY, Tier
+from core.tiers import Tier
 from core.workerinfo import live_workers
 from inferq.local import LocalStack, free_port, redis_reachable, redis_server_command
 from migrations import upgrade
+from scheduler.routing import waiting_counts
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 POSTGRES_ADMIN_URL = os.environ.get(
@@ -138,12 +141,8 @@ class Stack:
         return job
 
     def queue_lengths(self) -> dict[str, int]:
-        """Jobs waiting in each tier: queued messages plus jobs held back for fair share."""
-        return {
-            tier.value: int(self.redis.llen(keys.queue_name(tier)))
-            + int(self.redis.get(keys.held_count(tier)) or 0)
-            for tier in TIERS_BY_PRIORITY
-        }
+        """Jobs waiting in each tier: queued (shared or routed) plus held back for fair share."""
+        return waiting_counts(self.redis)
 
     @property
     def worker_name(self) -> str:
@@ -327,3 +326,60 @@ class OtlpReceiver:
 
     def close(self) -> None:
         self.server.shutdown()
+
+
+class ExtraWorker:
+    """Another worker process beside the stack's own, which a test can kill and start again.
+
+    It runs in its own process group, so a kill takes its engine core with it.
+    """
+
+    def __init__(self, stack: Stack, name: str, concurrency: int = 8) -> None:
+        self.stack = stack
+        self.name = name
+        self.concurrency = concurrency
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = stack.local.settings.data_dir.resolve() / "logs" / f"{name.split('@')[0]}.log"
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "inferq", "worker", "--device", "cpu"]
+        self.process = subprocess.Popen(
+            [
+                *command,
+                "--concurrency",
+                str(self.concurrency),
+                "--name",
+                self.name,
+                "--metrics-port=0",
+            ],
+            env=self.stack.local.env,
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.name not in live_workers(self.stack.redis):
+            assert self.process is not None and self.process.poll() is None, (
+                f"worker {self.name} died"
+            )
+            assert time.monotonic() < deadline, f"worker {self.name} did not start"
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        # Its counters would linger until their TTL; drop them so `wait_ready` sees the restart.
+        self.stack.redis.delete(keys.worker_stats(self.name))
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()

@@ -141,7 +141,12 @@ def run_worker(
         hostname=node_name,
         pool="threads",
         concurrency=concurrency or settings.worker_concurrency,
-        queues=[keys.queue_name(tier) for tier in TIERS_BY_PRIORITY],
+        # Per tier, jobs routed here by prompt prefix first, then the shared queue.
+        queues=[
+            queue
+            for tier in TIERS_BY_PRIORITY
+            for queue in (keys.worker_queue_name(tier, node_name), keys.queue_name(tier))
+        ],
         loglevel=settings.log_level,
         without_mingle=True,
         without_gossip=True,

@@ -300,14 +300,16 @@ class JobRunner:
         IN_FLIGHT.labels(self.worker_name).set(counters["in_flight"])
         pipe.hset(keys.worker_stats(self.worker_name), mapping=counters)
         pipe.expire(keys.worker_stats(self.worker_name), STATS_TTL_S)
+        pipe.sadd(keys.WORKERS_SET, self.worker_name)
         pipe.execute()
 
     def retire(self) -> None:
-        """Take this worker off the list of live workers."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(keys.worker_stats(self.worker_name))
-        pipe.srem(keys.WORKERS_SET, self.worker_name)
-        pipe.execute()
+        """Take this worker off the list of live workers.
+
+        Its name stays in the workers set, so the dispatcher hands whatever is left in (or
+        comes back to) its own queues over to the shared ones.
+        """
+        self.redis.delete(keys.worker_stats(self.worker_name))
 
 
 def _queue_expired(job: Job) -> bool:

@@ -8,9 +8,6 @@ surviving worker.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,54 +19,25 @@ from core import keys
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.workerinfo import live_workers
 from scheduler.queues import make_celery_app
-from tests.support import FINAL_EVENTS, Stack, read_sse, streamed_text, wait_final
+from tests.support import (
+    FINAL_EVENTS,
+    ExtraWorker,
+    Stack,
+    read_sse,
+    streamed_text,
+    wait_final,
+)
 
 VICTIM = "victim@inferq-test"
 JOBS_PER_TRIAL = 6
 TOKENS = 300
 
 
-class Victim:
-    """A killable worker process (its own process group, engine core included)."""
+class Victim(ExtraWorker):
+    """The worker these tests kill."""
 
     def __init__(self, stack: Stack) -> None:
-        self.stack = stack
-        self.process: subprocess.Popen[bytes] | None = None
-        self.log = stack.local.settings.data_dir.resolve() / "logs" / "victim.log"
-
-    def start(self) -> None:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "inferq", "worker", "--device", "cpu"]
-        self.process = subprocess.Popen(
-            [*command, "--concurrency", "8", "--name", VICTIM, "--metrics-port", "0"],
-            env=self.stack.local.env,
-            stdout=self.log.open("ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while VICTIM not in live_workers(self.stack.redis):
-            assert self.process is not None and self.process.poll() is None, "victim died"
-            assert time.monotonic() < deadline, "the victim worker did not start"
-            time.sleep(0.5)
-
-    def kill(self) -> None:
-        assert self.process is not None
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        # Its counters would linger until their TTL; drop them so `wait_ready` sees the restart.
-        self.stack.redis.delete(keys.worker_stats(VICTIM))
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        super().__init__(stack, VICTIM)
 
 
 @pytest.fixture

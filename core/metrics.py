@@ -53,6 +53,10 @@ JOBS_MERGED = Counter(
     "Jobs that shared an identical job's engine request instead of making their own.",
     ["tier"],
 )
+JOBS_TAKEN_IN_BULK = Counter(
+    "inferq_jobs_taken_in_bulk_total",
+    "Jobs a worker took from the queues in a bulk take (edge batching), not one per BRPOP.",
+)
 JOBS_CACHED = Counter(
     "inferq_jobs_cached_total", "Jobs answered from the result cache, without the engine.", ["tier"]
 )

@@ -69,6 +69,12 @@ class Settings(BaseSettings):
         description="Messages a tier queue holds before further jobs wait in per-owner lists "
         "that the scheduler drains round-robin (fair share).",
     )
+    edge_batch: int = Field(
+        default=32,
+        ge=1,
+        description="Most jobs a worker with free slots takes from the queues in one Redis "
+        "round trip (edge batching); 1: one message per BRPOP, as Celery does by default.",
+    )
     prefix_route_chars: int = Field(
         default=1024,
         ge=0,

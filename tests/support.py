@@ -26,7 +26,7 @@ from core import keys
 from core.apikeys import KeyStore, Quota
 from core.db import Database
 from core.settings import Settings
-from core.tiers import Tier
+from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.workerinfo import live_workers
 from inferq.local import LocalStack, free_port, redis_reachable, redis_server_command
 from migrations import upgrade
@@ -383,3 +383,31 @@ class ExtraWorker:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+
+
+@contextmanager
+def worker_paused(stack: Stack, name: str | None = None) -> Iterator[None]:
+    """A worker (default: the stack's own) takes no new jobs until the block ends.
+
+    Uses Celery's remote control on every queue the worker polls, and adds them back in the
+    order it polls them (tier by tier, its own queue before the shared one).
+    """
+    from scheduler.queues import make_celery_app
+
+    worker = name or stack.worker_name
+    app = make_celery_app(stack.local.settings)
+    queues = [
+        queue
+        for tier in TIERS_BY_PRIORITY
+        for queue in (keys.worker_queue_name(tier, worker), keys.queue_name(tier))
+    ]
+    try:
+        for queue in queues:
+            replies = app.control.cancel_consumer(queue, destination=[worker], reply=True)
+            assert replies, f"{worker} did not answer cancel_consumer"
+        yield
+    finally:
+        for queue in queues:
+            replies = app.control.add_consumer(queue, destination=[worker], reply=True)
+            assert replies, f"{worker} did not answer add_consumer"
+        app.close()

@@ -10,15 +10,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
 
-from core import keys
-from core.tiers import TIERS_BY_PRIORITY, Tier
+from core.tiers import Tier
 from core.workerinfo import live_workers
-from scheduler.queues import make_celery_app
 from tests.support import (
     FINAL_EVENTS,
     ExtraWorker,
@@ -26,6 +24,7 @@ from tests.support import (
     read_sse,
     streamed_text,
     wait_final,
+    worker_paused,
 )
 
 VICTIM = "victim@inferq-test"
@@ -54,25 +53,12 @@ def victim(stack: Stack) -> Iterator[Victim]:
             time.sleep(0.5)
 
 
-@contextmanager
-def survivor_paused(stack: Stack) -> Iterator[None]:
-    """The stack's own worker takes no new jobs (Celery remote control), so the victim gets them.
+def survivor_paused(stack: Stack) -> AbstractContextManager[None]:
+    """The stack's own worker takes no new jobs, so the victim gets them.
 
     Its idle slots would otherwise take every job first: it has 32 of them, the victim 8.
     """
-    app = make_celery_app(stack.local.settings)
-    queues = [keys.queue_name(tier) for tier in TIERS_BY_PRIORITY]
-    destination = [stack.worker_name]
-    try:
-        for queue in queues:
-            replies = app.control.cancel_consumer(queue, destination=destination, reply=True)
-            assert replies, f"{stack.worker_name} did not answer cancel_consumer"
-        yield
-    finally:
-        for queue in queues:
-            replies = app.control.add_consumer(queue, destination=destination, reply=True)
-            assert replies, f"{stack.worker_name} did not answer add_consumer"
-        app.close()
+    return worker_paused(stack)
 
 
 def _workers_of(stack: Stack, job_ids: list[str]) -> dict[str, tuple[str, str | None, int]]:

@@ -1,0 +1,49 @@
+"""Edge batching: a worker with free slots takes the waiting jobs in bulk, and loses none."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from core.tiers import Tier
+from tests.support import Stack, wait_final, worker_paused
+
+JOBS = 24
+
+
+def _taken_in_bulk(stack: Stack) -> float:
+    text = httpx.get(stack.worker_metrics_url, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "inferq_jobs_taken_in_bulk_total":
+                return sample.value
+    return 0.0
+
+
+def test_an_idle_worker_takes_the_waiting_jobs_in_bulk(stack: Stack) -> None:
+    key = stack.create_key(Tier.BASIC)
+    stack.wait_idle()
+    before = _taken_in_bulk(stack)
+    body = {"jobs": [{"prompt": f"Bulk {i}.", "max_tokens": 4} for i in range(JOBS)]}
+    with stack.client(key) as client:
+        with worker_paused(stack):
+            response = client.post("/v1/jobs/batch", json=body)
+            assert response.status_code == 202, response.text
+            jobs = response.json()["data"]
+            deadline = time.monotonic() + 30
+            while stack.queue_lengths()[Tier.BASIC.value] < JOBS:
+                assert time.monotonic() < deadline, stack.queue_lengths()
+                time.sleep(0.1)
+        # One BRPOP brings the first; one bulk take brings the rest (the worker has 32 slots).
+        done = [wait_final(client, job["id"], timeout_s=120) for job in jobs]
+    assert [job["status"] for job in done] == ["succeeded"] * JOBS
+    assert all(job["attempt"] == 1 for job in done), [job["attempt"] for job in done]
+    assert _taken_in_bulk(stack) - before == JOBS - 1
+    # Every message taken in bulk was acknowledged: nothing is left for the visibility timeout
+    # to redeliver (the transport keeps unacknowledged messages in the `unacked` hash).
+    deadline = time.monotonic() + 10
+    while stack.redis.hlen("unacked"):
+        assert time.monotonic() < deadline, stack.redis.hkeys("unacked")
+        time.sleep(0.2)

@@ -54,8 +54,10 @@ async def admit_to_queue(services: Services, batch: list[NewJob]) -> None:
         return
     tier = Tier(batch[0].tier)
     ahead = sum(waiting[t] for t in TIERS_BY_PRIORITY[: TIERS_BY_PRIORITY.index(tier) + 1])
-    # The last job of the batch waits for everything ahead plus the rest of the batch.
-    wait_s = (ahead + len(batch)) / capacity
+    # The last job of the batch waits for everything ahead plus the rest of the batch; a job
+    # with nothing ahead of it is next in line and always admitted (under light load the
+    # measured rate is the demand, not the capacity, and would refuse it for nothing).
+    wait_s = (ahead + len(batch) - 1) / capacity
     limit_s = min(new.queue_timeout_s or new.timeout_s for new in batch)
     if wait_s <= limit_s:
         return

@@ -1,0 +1,146 @@
+"""Edge batching: many small jobs, taken one message per BRPOP or in bulk.
+
+In one run, the same workload on two fresh stacks that differ only in `INFERQ_EDGE_BATCH`
+(1: Celery's one message per BRPOP; 32: the default bulk take): `--jobs` small jobs
+(`--max-tokens` tokens each) submitted in batches of 100 while the worker is busy, so they
+wait. Reported per stack: jobs/s (first submitted → last finished), queue wait p50/p95, and
+Redis commands per job (all of them, from the stack's own redis-server: API, worker and
+scheduler), with BRPOP and bulk takes counted apart.
+
+Run: `.venv/bin/python bench/edge_batching.py [--jobs 1000 --max-tokens 1]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis
+from report import machine_info, percentile, running_stack
+from scheduling import _batch, _span_s, _wait
+
+from core.settings import Settings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = (("one per BRPOP", "1"), ("edge batch 32", "32"))
+
+
+def _command_calls(client: redis.Redis) -> dict[str, int]:
+    stats: dict[str, Any] = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+async def run(api_url: str, key: str, jobs: int, max_tokens: int) -> list[dict[str, Any]]:
+    """Submit `jobs` jobs in batches of 100, all at once, and wait for every one."""
+    async with aiohttp.ClientSession(base_url=api_url) as session:
+        batches = [
+            [{"prompt": f"Small job {i + j}.", "max_tokens": max_tokens} for j in range(100)]
+            for i in range(0, jobs, 100)
+        ]
+        created = await asyncio.gather(*(_batch(session, key, batch) for batch in batches))
+        flat = [job for batch in created for job in batch]
+        return list(await asyncio.gather(*(_wait(session, key, job["id"]) for job in flat)))
+
+
+def save_chart(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Bars: jobs/s and Redis commands per job, for each setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = list(results)
+    colors = ["tab:gray", "tab:green"]
+    left.bar(labels, [r["jobs_per_s"] for r in results.values()], color=colors)
+    left.set_ylabel("jobs per second")
+    left.set_title("small jobs through the queue")
+    right.bar(labels, [r["redis_commands_per_job"] for r in results.values()], color=colors)
+    right.set_ylabel("Redis commands per job (all processes)")
+    right.set_title("Redis round trips")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both settings, print the table, save chart and JSON."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+
+    from inferq.local import free_port
+    from workers.localmodel import init_local_model, is_model_dir
+
+    machine = machine_info()
+    work_root = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
+    model_dir = REPO_ROOT / ".inferq" / "model"
+    if not is_model_dir(model_dir):
+        model_dir = init_local_model(work_root / "model")
+    print(
+        f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
+        f"workload: {args.jobs} jobs x {args.max_tokens} tokens, posted in batches of 100\n",
+        flush=True,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    for label, edge_batch in SETTINGS:
+        work_dir = work_root / f"edge-{edge_batch}"
+        settings = Settings(
+            data_dir=work_dir,
+            database_url=f"sqlite:///{work_dir / 'inferq.db'}",
+            redis_url=f"redis://127.0.0.1:{free_port()}/0",
+            model=str(model_dir.resolve()),
+        )
+        work_dir.mkdir(parents=True)
+        env = {"INFERQ_EDGE_BATCH": edge_batch, "INFERQ_RESULT_CACHE_TTL_S": "0"}
+        with running_stack(settings, free_port(), env) as (api_url, key, _):
+            client = redis.Redis.from_url(settings.redis_url)
+            before = _command_calls(client)
+            done = asyncio.run(run(api_url, key, args.jobs, args.max_tokens))
+            after = _command_calls(client)
+        calls = {name: after[name] - before.get(name, 0) for name in after}
+        waits = [job["timings"]["queue_s"] for job in done if job["timings"]["queue_s"]]
+        results[label] = {
+            "jobs_per_s": round(len(done) / _span_s(done), 1),
+            "succeeded": sum(job["status"] == "succeeded" for job in done),
+            "queue_wait_p50_s": round(percentile(waits, 50), 3),
+            "queue_wait_p95_s": round(percentile(waits, 95), 3),
+            "redis_commands_per_job": round(sum(calls.values()) / len(done), 1),
+            "brpop_per_job": round(calls.get("brpop", 0) / len(done), 2),
+            "bulk_takes": calls.get("evalsha", 0) + calls.get("eval", 0),
+        }
+        print(f"{label}: {results[label]}", flush=True)
+    shutil.rmtree(work_root, ignore_errors=True)
+
+    header = f"{'setting':<16}{'jobs/s':>8}{'wait p50':>10}{'wait p95':>10}{'cmds/job':>10}"
+    print(f"\n{header}{'BRPOP/job':>11}")
+    for label, r in results.items():
+        print(
+            f"{label:<16}{r['jobs_per_s']:>8}{r['queue_wait_p50_s']:>10}"
+            f"{r['queue_wait_p95_s']:>10}{r['redis_commands_per_job']:>10}{r['brpop_per_job']:>11}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    chart = args.out / "edge_batching.png"
+    save_chart(results, chart)
+    report = {
+        "created_at": datetime.now(UTC).isoformat(),
+        "machine": machine,
+        "workload": vars(args) | {"out": str(args.out)},
+        "results": results,
+    }
+    (args.out / "edge_batching.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {chart} and {args.out / 'edge_batching.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,8 @@
-"""The one place where errors become HTTP responses: `{"error": {type, code, message}}`."""
+"""The one place where errors become HTTP responses: `{"error": {type, code, message}}`.
+
+On the OpenAI-compatible paths the body always has `param` too (null when no parameter is at
+fault), which is the exact shape the openai SDK reads.
+"""
 
 from __future__ import annotations
 
@@ -22,12 +26,27 @@ _HTTP_CODES = {
 }
 
 
+OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
+"""The OpenAI-compatible endpoints (and `/v1/models/{id}`), whose errors always carry `param`."""
+
+
+def uses_openai_errors(path: str) -> bool:
+    """Whether errors on `path` take OpenAI's exact shape: message, type, param, code all there."""
+    return path in OPENAI_PATHS or path.startswith("/v1/models/")
+
+
 def error_body(
-    error_type: str, code: str, message: str, param: str | None = None, **extra: Any
+    error_type: str,
+    code: str,
+    message: str,
+    param: str | None = None,
+    *,
+    openai: bool = False,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """The JSON body of every error response."""
+    """The JSON body of every error response; `openai`: `param` is present even when null."""
     error: dict[str, Any] = {"type": error_type, "code": code, "message": message}
-    if param is not None:
+    if param is not None or openai:
         error["param"] = param
     error.update(extra)
     return {"error": error}
@@ -39,13 +58,15 @@ def error_response(
     code: str,
     message: str,
     param: str | None = None,
+    *,
+    openai: bool = False,
     **extra: Any,
 ) -> JSONResponse:
     """A JSON error response."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
     if "retry_after" in extra:
         headers["Retry-After"] = str(extra["retry_after"])
-    body = error_body(error_type, code, message, param, **extra)
+    body = error_body(error_type, code, message, param, openai=openai, **extra)
     return JSONResponse(body, status, headers=headers)
 
 
@@ -65,32 +86,46 @@ def describe_validation_error(error: dict[str, Any]) -> tuple[str, str]:
 def install_error_handlers(app: FastAPI) -> None:
     """Map every error type to its response, once."""
 
+    def openai(request: Request) -> bool:
+        return uses_openai_errors(request.url.path)
+
     @app.exception_handler(ClientError)
-    async def _client_error(_request: Request, exc: ClientError) -> JSONResponse:
+    async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
         return error_response(
-            exc.status_code, exc.error_type, exc.code, exc.message, exc.param, **exc.extra
+            exc.status_code,
+            exc.error_type,
+            exc.code,
+            exc.message,
+            exc.param,
+            openai=openai(request),
+            **exc.extra,
         )
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = list(exc.errors())
         param, message = (
             describe_validation_error(errors[0]) if errors else ("body", "Invalid request.")
         )
-        return error_response(400, "invalid_request_error", "invalid_request", message, param)
+        return error_response(
+            400, "invalid_request_error", "invalid_request", message, param, openai=openai(request)
+        )
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type, code = _HTTP_CODES.get(exc.status_code, ("invalid_request_error", "http_error"))
-        return error_response(exc.status_code, error_type, code, str(exc.detail))
+        return error_response(
+            exc.status_code, error_type, code, str(exc.detail), openai=openai(request)
+        )
 
-    async def _unavailable(_request: Request, exc: Exception) -> JSONResponse:
+    async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
         log.warning("backing service unavailable: %s", exc)
         return error_response(
             503,
             ServiceUnavailable.error_type,
             ServiceUnavailable.code,
             "A backing service is unavailable; retry shortly.",
+            openai=openai(request),
         )
 
     app.add_exception_handler(ServiceUnavailable, _unavailable)
@@ -99,6 +134,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OperationalError, _unavailable)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return error_response(500, "server_error", "internal_error", "Internal server error.")
+        return error_response(
+            500, "server_error", "internal_error", "Internal server error.", openai=openai(request)
+        )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_response
+from api.errors import error_response, uses_openai_errors
 from core.errors import PayloadTooLarge
 
 
@@ -48,6 +48,7 @@ class BodySizeLimit:
             PayloadTooLarge.error_type,
             PayloadTooLarge.code,
             f"The request body is over the limit of {self.max_bytes} bytes.",
+            openai=uses_openai_errors(scope["path"]),
         )
         await response(scope, receive, send)
 

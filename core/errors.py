@@ -58,6 +58,13 @@ class NotFound(ClientError):
     code = "not_found"
 
 
+class ModelNotFound(NotFound):
+    """The request names a model this server does not serve (OpenAI's `model_not_found`)."""
+
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
 class Conflict(ClientError):
     """The resource's state forbids the request."""
 

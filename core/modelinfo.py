@@ -5,21 +5,32 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
 
 @dataclass
 class ModelInfo:
-    """The model's name, context length and tokenizer (from tokenizer.json, no torch needed)."""
+    """The model's name, context length and tokenizer (from tokenizer.json, no torch needed).
+
+    `chat_template` is the Jinja template of its tokenizer (None when it has none), rendered with
+    `special_tokens` (bos_token, eos_token, ...); `created` is when its files were written.
+    """
 
     name: str
     max_model_len: int
     tokenizer: Tokenizer
+    chat_template: str | None = None
+    special_tokens: dict[str, str] | None = None
+    created: int = 0
 
     def count_tokens(self, text: str) -> int:
         """Prompt tokens as the engine will count them, special tokens included."""
         return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+
+_TOKENIZER_FILES = ["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 
 
 def _resolve_files(model: str) -> Path:
@@ -29,15 +40,51 @@ def _resolve_files(model: str) -> Path:
     # A hub id: use the files already in the local Hugging Face cache (or fetch them if online).
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model, allow_patterns=["config.json", "tokenizer.json"]))
+    return Path(snapshot_download(model, allow_patterns=_TOKENIZER_FILES))
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as an AddedToken dict.
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _chat_template(files: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """The tokenizer's chat template: chat_template.jinja, else tokenizer_config.json's."""
+    template_file = files / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template.strip() else None
 
 
 def load_model_info(model: str, max_model_len: int | None) -> ModelInfo:
-    """Read config.json and tokenizer.json of `model` (a directory or a hub id)."""
+    """Read config.json, tokenizer.json and tokenizer_config.json of `model` (a dir or hub id)."""
     files = _resolve_files(model)
-    config = json.loads((files / "config.json").read_text())
+    config_file = files / "config.json"
+    config = json.loads(config_file.read_text())
     context = max_model_len or int(
         config.get("max_position_embeddings") or config.get("n_positions") or 2048
     )
     tokenizer = Tokenizer.from_file(str(files / "tokenizer.json"))
-    return ModelInfo(name=model, max_model_len=context, tokenizer=tokenizer)
+    config_path = files / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    special = {
+        name: text
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        if (text := _token_text(tokenizer_config.get(name))) is not None
+    }
+    return ModelInfo(
+        name=model,
+        max_model_len=context,
+        tokenizer=tokenizer,
+        chat_template=_chat_template(files, tokenizer_config),
+        special_tokens=special,
+        created=int(config_file.stat().st_mtime),
+    )

@@ -1,0 +1,96 @@
+"""The OpenAI-compatible surface: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+Each completion is an ordinary job on the caller's tier — same validation, quotas and queues as
+`POST /v1/jobs` — that the request then waits for (or streams) and answers in OpenAI's format.
+The openai SDKs work against it with `base_url=<inferq>/v1` and an inferq key as `api_key`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from api.chat_prompt import render_chat
+from api.deps import PrincipalDep, ServicesDep
+from api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionKind,
+    CompletionRequest,
+    check_model,
+    model_card,
+)
+from api.openai_serving import completion_response, completion_stream, wait_for_job
+from api.schemas import JobCreate
+from api.services import Services
+from api.submission import submit_job
+from core.apikeys import Principal
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+_STREAM_DOC: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "with stream=true"}
+}
+
+
+def _card(services: Services) -> dict[str, Any]:
+    model = services.model
+    return model_card(model.name, model.created, model.max_model_len)
+
+
+@router.get("/models")
+async def list_models(_principal: PrincipalDep, services: ServicesDep) -> dict[str, Any]:
+    """The one model this deployment serves, in OpenAI's list format."""
+    return {"object": "list", "data": [_card(services)]}
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(
+    model_id: str, _principal: PrincipalDep, services: ServicesDep
+) -> dict[str, Any]:
+    """The served model; 404 `model_not_found` for any other id."""
+    check_model(services.model.name, model_id)
+    return _card(services)
+
+
+@router.post("/completions", responses=_STREAM_DOC)
+async def create_completion(
+    body: CompletionRequest, request: Request, principal: PrincipalDep, services: ServicesDep
+) -> Response:
+    """Continue a prompt: a job on the caller's tier, answered as an OpenAI completion."""
+    check_model(services.model.name, body.model)
+    job_body = body.to_job()
+    return await _serve(
+        services, principal, request, job_body, "text_completion", body.stream, body.include_usage
+    )
+
+
+@router.post("/chat/completions", responses=_STREAM_DOC)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, principal: PrincipalDep, services: ServicesDep
+) -> Response:
+    """The assistant's reply to `messages` (rendered with the model's chat template)."""
+    check_model(services.model.name, body.model)
+    prompt = render_chat(services.model, body.message_dicts())
+    job_body = body.to_job(prompt)
+    return await _serve(
+        services, principal, request, job_body, "chat.completion", body.stream, body.include_usage
+    )
+
+
+async def _serve(
+    services: Services,
+    principal: Principal,
+    request: Request,
+    job_body: JobCreate,
+    kind: CompletionKind,
+    stream: bool | None,
+    include_usage: bool,
+) -> Response:
+    job, _ = await submit_job(services, principal, job_body, None)
+    model = services.model.name
+    if stream:
+        return completion_stream(services, job, principal.owner, model, kind, include_usage)
+    final = await wait_for_job(services, request, job, principal.owner)
+    return completion_response(final, model, kind)

@@ -64,6 +64,7 @@ class Job(Base):
         Index("ix_jobs_owner_created", "owner", "created_at", "id"),
         Index("ix_jobs_status", "status"),
         Index("ix_jobs_status_queue_deadline", "status", "queue_deadline_at"),
+        Index("ix_jobs_batch", "batch_id", "batch_index"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -98,6 +99,11 @@ class Job(Base):
     error_code: Mapped[str | None] = mapped_column(String(80))
     error_message: Mapped[str | None] = mapped_column(Text)
 
+    # A job made for a batch: which one, its place in it, and (OpenAI batches) its custom_id.
+    batch_id: Mapped[str | None] = mapped_column(String(40))
+    batch_index: Mapped[int | None] = mapped_column(Integer)
+    custom_id: Mapped[str | None] = mapped_column(String(200))
+
 
 class ApiKey(Base):
     """An API key: only its SHA-256 hash is stored; the key itself is shown once."""
@@ -117,5 +123,65 @@ class ApiKey(Base):
     max_concurrent: Mapped[int | None] = mapped_column(Integer)
 
 
-SCHEMA_REVISION = "0004"
+class Batch(Base):
+    """A group of jobs made together: a document Q&A batch or an OpenAI batch.
+
+    Q&A batches (`kind` "qa") keep the document, questions, template and sampling parameters;
+    OpenAI batches (`kind` "openai") keep the input file, endpoint and window, the output and
+    error files, and a timestamp per lifecycle state. Each job of a batch names it in
+    `jobs.batch_id`, with its place in `jobs.batch_index`.
+    """
+
+    __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_owner_created", "owner", "created_at", "id"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(10))
+    owner: Mapped[str] = mapped_column(String(200))
+    tier: Mapped[str] = mapped_column(String(20))
+    status: Mapped[str] = mapped_column(String(20))
+    request_total: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+
+    # Q&A batches.
+    document: Mapped[str | None] = mapped_column(Utf8Text)
+    questions: Mapped[list[str] | None] = mapped_column(JSON)
+    prompt_template: Mapped[str | None] = mapped_column(Utf8Text)
+    sampling_params: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+    # OpenAI batches.
+    endpoint: Mapped[str | None] = mapped_column(String(60))
+    completion_window: Mapped[str | None] = mapped_column(String(10))
+    input_file_id: Mapped[str | None] = mapped_column(String(40))
+    output_file_id: Mapped[str | None] = mapped_column(String(40))
+    error_file_id: Mapped[str | None] = mapped_column(String(40))
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class StoredFile(Base):
+    """An uploaded file (OpenAI's /v1/files) or one inferq wrote (a batch's output or errors)."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_owner_created", "owner", "created_at", "id"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(200))
+    purpose: Mapped[str] = mapped_column(String(40))
+    filename: Mapped[str] = mapped_column(String(400))
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+SCHEMA_REVISION = "0005"
 """The Alembic head this code expects; /readyz compares it with the database."""

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 
 from opentelemetry.trace import SpanKind
 from starlette.concurrency import run_in_threadpool
@@ -25,7 +26,7 @@ from core.errors import (
 )
 from core.jobs import NewJob
 from core.metrics import JOBS_FINISHED, count_submitted
-from core.models import Job
+from core.models import Batch, Job
 from core.quotas import Admission
 from core.states import JobStatus
 from core.tracing import current_headers, tracer
@@ -121,20 +122,38 @@ def _submit_blocking(services: Services, new: NewJob) -> tuple[Job, bool]:
 
 
 async def submit_jobs(
-    services: Services, principal: Principal, bodies: list[JobCreate]
+    services: Services,
+    principal: Principal,
+    bodies: list[JobCreate],
+    *,
+    batch_row: Batch | None = None,
+    custom_ids: list[str] | None = None,
 ) -> list[Job]:
     """Validate every job, store them all in one transaction, then enqueue them all.
 
     One bad job rejects the whole batch (its index in `param`), before anything is stored.
+    With `batch_row`, the jobs belong to that batch (in order, with `custom_ids` if given) and
+    the row is stored in the same transaction.
     """
     with tracer().start_as_current_span("inferq.submit_batch", kind=SpanKind.PRODUCER) as span:
         span.set_attribute("inferq.jobs", len(bodies))
         headers = current_headers()
         batch = await run_in_threadpool(_new_jobs, services, principal, bodies, headers)
+        if batch_row is not None:
+            batch = [
+                replace(
+                    new,
+                    batch_id=batch_row.id,
+                    batch_index=index,
+                    custom_id=custom_ids[index] if custom_ids else None,
+                )
+                for index, new in enumerate(batch)
+            ]
         batch = await fill_from_cache(services, batch)
         await admit_to_queue(services, [new for new in batch if new.cached is None])
         await admit(services, principal, batch)
-        jobs = await run_in_threadpool(_store_many, services, batch, headers)
+        also = [batch_row] if batch_row is not None else []
+        jobs = await run_in_threadpool(_store_many, services, batch, headers, also)
         await announce_cached(services, [job for job in jobs if job.served_from is not None])
         return jobs
 
@@ -153,8 +172,10 @@ def _new_jobs(
     return batch
 
 
-def _store_many(services: Services, batch: list[NewJob], headers: dict[str, str]) -> list[Job]:
-    jobs = services.jobs.create_many(batch)
+def _store_many(
+    services: Services, batch: list[NewJob], headers: dict[str, str], also: list[Batch]
+) -> list[Job]:
+    jobs = services.jobs.create_many(batch, also)
     waiting = [job for job in jobs if job.served_from is None]
     services.dispatcher.submit(
         queued(waiting, [headers] * len(waiting), route_chars=services.settings.prefix_route_chars)

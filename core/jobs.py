@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -13,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from core.db import Database
 from core.errors import IdempotencyKeyReused
-from core.models import Job, as_utc, utcnow
+from core.models import Base, Job, as_utc, utcnow
 from core.resultcache import CachedResult
 from core.states import FINAL_STATES, JobStatus, ServedFrom
 
@@ -39,6 +40,10 @@ class NewJob:
     cache_key: str | None = None
     # A repeat answered from the result cache is stored already finished.
     cached: CachedResult | None = None
+    # A job made for a batch (see `core.models.Batch`).
+    batch_id: str | None = None
+    batch_index: int | None = None
+    custom_id: str | None = None
     id: str = field(default_factory=new_job_id)
     # The submitting request's trace context, for the message (not stored).
     trace_headers: dict[str, str] = field(default_factory=dict, compare=False)
@@ -61,6 +66,9 @@ class NewJob:
             + timedelta(seconds=min(self.queue_timeout_s or self.timeout_s, self.timeout_s)),
             attempt=0,
             cache_key=self.cache_key,
+            batch_id=self.batch_id,
+            batch_index=self.batch_index,
+            custom_id=self.custom_id,
         )
         if self.cached is not None:
             job.status = JobStatus.SUCCEEDED.value
@@ -118,12 +126,17 @@ class JobStore:
             return self._check_same_request(existing, new), False
         return job, True
 
-    def create_many(self, batch: list[NewJob]) -> list[Job]:
-        """Store many queued jobs in one transaction (no idempotency keys)."""
+    def create_many(self, batch: list[NewJob], also: Sequence[Base] = ()) -> list[Job]:
+        """Store many queued jobs in one transaction (no idempotency keys).
+
+        `also`: rows stored in the same transaction (a batch's own row, say).
+        """
         now = utcnow()
         # A microsecond apart, so listings keep the batch's order.
         jobs = [new.row(now + timedelta(microseconds=index)) for index, new in enumerate(batch)]
         with self.db.session() as session:
+            session.add_all(also)
+            session.flush()
             session.add_all(jobs)
         return jobs
 

@@ -13,6 +13,7 @@ import click
 
 from core.settings import Settings, get_settings
 from core.tiers import Tier
+from inferq.batch import batch
 
 log = logging.getLogger("inferq")
 
@@ -332,3 +333,6 @@ def _redacted(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+main.add_command(batch)

@@ -1,0 +1,238 @@
+"""Document Q&A batches: one document, many questions, one job per question.
+
+Every question's prompt is the template filled with the document and the question; the
+default template puts the document first, so all of a batch's prompts share it as a prefix.
+Prefix routing then sends them to one worker and vLLM's prefix cache computes the document
+once there. A document that does not fit the model's context with a question and `max_tokens`
+is rejected with 400 `context_length_exceeded` naming the limit; nothing is ever truncated.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.concurrency import run_in_threadpool
+
+from api.schemas import JobCreate
+from api.services import Services
+from api.submission import submit_jobs
+from core import keys
+from core.apikeys import Principal
+from core.batches import BatchStore, new_batch_id
+from core.errors import ClientError, ContextLengthExceeded, NotFound
+from core.metrics import JOBS_FINISHED
+from core.models import Batch, Job, as_utc, utcnow
+from core.states import JobStatus
+
+DEFAULT_TEMPLATE = "{document}\n\nQuestion: {question}\nAnswer:"
+MAX_QUESTIONS = 5000
+KIND = "qa"
+
+
+class QaBatchCreate(BaseModel):
+    """A document and the questions to ask about it, with the sampling of every answer."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    document: str = Field(min_length=1, description="The document every question is about.")
+    questions: list[str] = Field(min_length=1, max_length=MAX_QUESTIONS)
+    prompt_template: str = Field(
+        default=DEFAULT_TEMPLATE,
+        description="How a question's prompt is made: `{document}` and `{question}` are "
+        "replaced (each exactly once); put the document first so the prompts share it.",
+    )
+    max_tokens: int | None = Field(default=None, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    timeout_s: float | None = Field(default=None, gt=0)
+    cache: bool = True
+
+    @field_validator("questions")
+    @classmethod
+    def _questions_not_blank(cls, questions: list[str]) -> list[str]:
+        for index, question in enumerate(questions):
+            if not question.strip():
+                raise ValueError(f"question {index} is blank")
+        return questions
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_has_both_fields(cls, template: str) -> str:
+        for field in ("{document}", "{question}"):
+            if template.count(field) != 1:
+                raise ValueError(f"the template must contain {field} exactly once")
+        return template
+
+    def prompt(self, question: str) -> str:
+        """The prompt of one question (plain replacement: braces elsewhere are kept as is)."""
+        return self.prompt_template.replace("{document}", self.document).replace(
+            "{question}", question
+        )
+
+    def job(self, question: str) -> JobCreate:
+        """The job that answers one question."""
+        return JobCreate(
+            prompt=self.prompt(question),
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop,
+            seed=self.seed,
+            timeout_s=self.timeout_s,
+            cache=self.cache,
+        )
+
+
+class Answer(BaseModel):
+    """One question's answer (or where it stands)."""
+
+    index: int
+    question: str
+    job_id: str
+    status: str
+    answer: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_prompt_tokens: int | None
+    error_code: str | None
+
+
+class QaBatchOut(BaseModel):
+    """A Q&A batch: where its questions stand, and the answers so far."""
+
+    id: str
+    object: Literal["qa_batch"] = "qa_batch"
+    status: Literal["in_progress", "completed", "cancelling", "cancelled"]
+    tier: str
+    created_at: datetime
+    total: int
+    counts: dict[str, int] = Field(description="Questions per job state.")
+    answers: list[Answer] | None = Field(
+        default=None, description="In question order; left out with `answers=false`."
+    )
+
+
+RESULT_FIELDS = list(Answer.model_fields)
+
+
+async def create_batch(services: Services, principal: Principal, body: QaBatchCreate) -> Batch:
+    """Store the batch and one job per question, all in one transaction, and enqueue them."""
+    row = Batch(
+        id=new_batch_id("qab"),
+        kind=KIND,
+        owner=principal.owner,
+        tier=principal.tier.value,
+        status="in_progress",
+        request_total=len(body.questions),
+        created_at=utcnow(),
+        document=body.document,
+        questions=body.questions,
+        prompt_template=body.prompt_template,
+        sampling_params=body.model_dump(exclude={"document", "questions", "prompt_template"}),
+    )
+    try:
+        await submit_jobs(services, principal, [body.job(q) for q in body.questions], batch_row=row)
+    except ClientError as exc:
+        # Said of `jobs[i]` by the job checks; the batch's caller sent a document and questions.
+        index, _, message = exc.message.partition(": ")
+        if isinstance(exc, ContextLengthExceeded):
+            exc.message = (
+                f"The document with question {index.removeprefix('jobs')} does not fit the "
+                f"model: {message} Documents are never truncated: split the document into "
+                "parts that fit and submit a batch for each."
+            )
+            exc.param = "document"
+        elif exc.param and exc.param.startswith("jobs["):
+            exc.message = message
+            exc.param = exc.param.partition(".")[2] or None
+        raise
+    return row
+
+
+async def get_batch(services: Services, owner: str, batch_id: str) -> Batch:
+    """The caller's batch, or 404."""
+    batch = await run_in_threadpool(BatchStore(services.db).get, batch_id, owner, KIND)
+    if batch is None:
+        raise NotFound(f"No Q&A batch with id '{batch_id}'.", param="batch_id")
+    return batch
+
+
+async def describe(services: Services, batch: Batch, *, answers: bool) -> QaBatchOut:
+    """The batch as clients see it."""
+    store = BatchStore(services.db)
+    counts = await run_in_threadpool(store.counts, batch.id)
+    unfinished = sum(n for status, n in counts.items() if not status.is_final)
+    if batch.status == "cancelling":
+        status = "cancelling" if unfinished else "cancelled"
+    else:
+        status = "in_progress" if unfinished else "completed"
+    listed = None
+    if answers:
+        listed = answers_of(batch, await run_in_threadpool(store.jobs, batch.id))
+    return QaBatchOut(
+        id=batch.id,
+        status=status,  # type: ignore[arg-type]
+        tier=batch.tier,
+        created_at=as_utc(batch.created_at),
+        total=batch.request_total,
+        counts={status.value: n for status, n in counts.items()},
+        answers=listed,
+    )
+
+
+def answers_of(batch: Batch, jobs: list[Job]) -> list[Answer]:
+    """Each question with its job's state and text."""
+    questions = batch.questions or []
+    return [
+        Answer(
+            index=job.batch_index or 0,
+            question=questions[job.batch_index or 0],
+            job_id=job.id,
+            status=job.status,
+            answer=job.output_text,
+            finish_reason=job.finish_reason,
+            prompt_tokens=job.prompt_tokens,
+            completion_tokens=job.completion_tokens,
+            cached_prompt_tokens=job.cached_prompt_tokens,
+            error_code=job.error_code,
+        )
+        for job in jobs
+    ]
+
+
+def render(answers: list[Answer], fmt: Literal["jsonl", "csv"]) -> str:
+    """The answers as JSON Lines or CSV (a header row, then one row per question)."""
+    if fmt == "jsonl":
+        return "".join(json.dumps(a.model_dump(), ensure_ascii=False) + "\n" for a in answers)
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=RESULT_FIELDS)
+    writer.writeheader()
+    for answer in answers:
+        writer.writerow(answer.model_dump())
+    return out.getvalue()
+
+
+async def cancel_batch(services: Services, batch: Batch) -> None:
+    """Cancel every question not answered yet: queued ones at once, running ones in the engine."""
+    store = BatchStore(services.db)
+    await run_in_threadpool(store.set_status, batch.id, "cancelling")
+    batch.status = "cancelling"
+    cancelled = await run_in_threadpool(store.cancel_jobs, batch.id)
+    ttl = services.settings.job_key_ttl_s
+    pipe = services.redis.pipeline(transaction=False)
+    for job_id in [job_id for job_id, _ in cancelled.ended] + cancelled.running:
+        pipe.set(keys.job_cancel_flag(job_id), b"1", ex=ttl)
+    for job_id in cancelled.running:
+        pipe.publish(keys.CANCEL_CHANNEL, job_id)
+    await pipe.execute()
+    for job_id, tier in cancelled.ended:
+        JOBS_FINISHED.labels(tier, JobStatus.CANCELLED.value).inc()
+        await services.events.publish(job_id, "cancelled", status=JobStatus.CANCELLED.value)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import PrincipalDep, ServicesDep
+from api.negotiation import MsgpackRoute, NegotiatedResponse
 from api.schemas import (
     JobBatchCreate,
     JobCreate,
@@ -23,7 +24,12 @@ from core.errors import NotFound
 from core.events import wait_for_final_event
 from core.states import JobStatus
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(
+    prefix="/v1/jobs",
+    tags=["jobs"],
+    route_class=MsgpackRoute,
+    default_response_class=NegotiatedResponse,
+)
 
 MAX_WAIT_S = 60.0
 CANCEL_WAIT_S = 5.0
@@ -60,7 +66,7 @@ async def create_job(
             cancel_owner=principal.owner if cancel_on_disconnect else None,
             headers={"Location": f"/v1/jobs/{job.id}"},
         )
-    return JSONResponse(
+    return NegotiatedResponse(
         JobOut.from_job(job).model_dump(mode="json"),
         status_code=202 if created else 200,
         headers={"Location": f"/v1/jobs/{job.id}", "Idempotent-Replayed": str(not created).lower()},
@@ -115,7 +121,9 @@ async def list_jobs(
 
 
 @router.delete("/{job_id}", response_model=JobOut)
-async def delete_job(job_id: str, principal: PrincipalDep, services: ServicesDep) -> JSONResponse:
+async def delete_job(
+    job_id: str, principal: PrincipalDep, services: ServicesDep
+) -> NegotiatedResponse:
     """Cancel the job: 200 with the job once it has ended, 202 if its worker is still stopping it.
 
     A job that has already ended gets 409 with its status.
@@ -128,4 +136,4 @@ async def delete_job(job_id: str, principal: PrincipalDep, services: ServicesDep
             raise NotFound(f"No job with id '{job_id}'.", param="job_id")
         job = refreshed
     status_code = 200 if JobStatus(job.status).is_final else 202
-    return JSONResponse(JobOut.from_job(job).model_dump(mode="json"), status_code=status_code)
+    return NegotiatedResponse(JobOut.from_job(job).model_dump(mode="json"), status_code=status_code)

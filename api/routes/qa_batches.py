@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import PrincipalDep, ServicesDep
+from api.negotiation import MsgpackRoute, NegotiatedResponse
 from api.qa_batches import (
     QaBatchCreate,
     QaBatchOut,
@@ -21,7 +22,12 @@ from api.qa_batches import (
 )
 from core.batches import BatchStore
 
-router = APIRouter(prefix="/v1/qa-batches", tags=["qa-batches"])
+router = APIRouter(
+    prefix="/v1/qa-batches",
+    tags=["qa-batches"],
+    route_class=MsgpackRoute,
+    default_response_class=NegotiatedResponse,
+)
 
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "csv": "text/csv; charset=utf-8"}
 
@@ -29,7 +35,7 @@ MEDIA_TYPES = {"jsonl": "application/x-ndjson", "csv": "text/csv; charset=utf-8"
 @router.post("", status_code=202, response_model=QaBatchOut)
 async def create_qa_batch(
     body: QaBatchCreate, principal: PrincipalDep, services: ServicesDep
-) -> JSONResponse:
+) -> NegotiatedResponse:
     """Queue one job per question, all sharing the document as their prompt's prefix.
 
     All questions are accepted or none: a question that cannot fit the model with the
@@ -37,7 +43,7 @@ async def create_qa_batch(
     """
     batch = await create_batch(services, principal, body)
     out = await describe(services, batch, answers=False)
-    return JSONResponse(
+    return NegotiatedResponse(
         out.model_dump(mode="json", exclude_none=True),
         status_code=202,
         headers={"Location": f"/v1/qa-batches/{batch.id}"},

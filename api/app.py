@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from api import metrics
 from api.errors import install_error_handlers
 from api.limits import BodySizeLimit
-from api.routes import health, jobs, openai, qa_batches, streams
+from api.routes import batches, files, health, jobs, openai, qa_batches, streams
 from api.services import Services
 from core.settings import Settings, get_settings
 from core.tracing import init_tracing
@@ -46,6 +46,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(streams.router)
     app.include_router(openai.router)
+    app.include_router(files.router)
+    app.include_router(batches.router)
     app.include_router(qa_batches.router)
     logging.getLogger("inferq").setLevel(settings.log_level)
     return app

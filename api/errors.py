@@ -26,13 +26,18 @@ _HTTP_CODES = {
 }
 
 
-OPENAI_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models"})
-"""The OpenAI-compatible endpoints (and `/v1/models/{id}`), whose errors always carry `param`."""
+OPENAI_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/files", "/v1/batches"}
+)
+"""The OpenAI-compatible endpoints (and the paths under the last three), whose errors always
+carry `param`."""
+
+_OPENAI_PREFIXES = ("/v1/models/", "/v1/files/", "/v1/batches/")
 
 
 def uses_openai_errors(path: str) -> bool:
     """Whether errors on `path` take OpenAI's exact shape: message, type, param, code all there."""
-    return path in OPENAI_PATHS or path.startswith("/v1/models/")
+    return path in OPENAI_PATHS or path.startswith(_OPENAI_PREFIXES)
 
 
 def error_body(

@@ -15,7 +15,7 @@ import json
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from api.schemas import JobCreate
@@ -24,7 +24,8 @@ from api.submission import submit_jobs
 from core import keys
 from core.apikeys import Principal
 from core.batches import BatchStore, new_batch_id
-from core.errors import ClientError, ContextLengthExceeded, NotFound
+from core.errors import ClientError, ContextLengthExceeded, InvalidRequest, NotFound
+from core.files import FileStore
 from core.metrics import JOBS_FINISHED
 from core.models import Batch, Job, as_utc, utcnow
 from core.states import JobStatus
@@ -39,7 +40,13 @@ class QaBatchCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    document: str = Field(min_length=1, description="The document every question is about.")
+    document: str | None = Field(
+        default=None, min_length=1, description="The document every question is about."
+    )
+    document_file_id: str | None = Field(
+        default=None,
+        description="Instead of `document`: the id of an uploaded file (UTF-8 text) holding it.",
+    )
     questions: list[str] = Field(min_length=1, max_length=MAX_QUESTIONS)
     prompt_template: str = Field(
         default=DEFAULT_TEMPLATE,
@@ -62,6 +69,12 @@ class QaBatchCreate(BaseModel):
                 raise ValueError(f"question {index} is blank")
         return questions
 
+    @model_validator(mode="after")
+    def _one_document(self) -> QaBatchCreate:
+        if (self.document is None) == (self.document_file_id is None):
+            raise ValueError("give exactly one of document and document_file_id")
+        return self
+
     @field_validator("prompt_template")
     @classmethod
     def _template_has_both_fields(cls, template: str) -> str:
@@ -70,16 +83,14 @@ class QaBatchCreate(BaseModel):
                 raise ValueError(f"the template must contain {field} exactly once")
         return template
 
-    def prompt(self, question: str) -> str:
+    def prompt(self, document: str, question: str) -> str:
         """The prompt of one question (plain replacement: braces elsewhere are kept as is)."""
-        return self.prompt_template.replace("{document}", self.document).replace(
-            "{question}", question
-        )
+        return self.prompt_template.replace("{document}", document).replace("{question}", question)
 
-    def job(self, question: str) -> JobCreate:
+    def job(self, document: str, question: str) -> JobCreate:
         """The job that answers one question."""
         return JobCreate(
-            prompt=self.prompt(question),
+            prompt=self.prompt(document, question),
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -123,8 +134,28 @@ class QaBatchOut(BaseModel):
 RESULT_FIELDS = list(Answer.model_fields)
 
 
+async def _document(services: Services, owner: str, body: QaBatchCreate) -> str:
+    """The batch's document: given in the body, or read from the caller's uploaded file."""
+    if body.document is not None:
+        return body.document
+    file_id = body.document_file_id or ""
+    stored = await run_in_threadpool(FileStore(services.db).get, file_id, owner, content=True)
+    if stored is None:
+        raise NotFound(f"No file with id '{file_id}'.", param="document_file_id")
+    try:
+        text = bytes(stored.content).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(
+            f"File '{file_id}' is not UTF-8 text.", param="document_file_id"
+        ) from exc
+    if not text.strip():
+        raise InvalidRequest(f"File '{file_id}' is empty.", param="document_file_id")
+    return text
+
+
 async def create_batch(services: Services, principal: Principal, body: QaBatchCreate) -> Batch:
     """Store the batch and one job per question, all in one transaction, and enqueue them."""
+    document = await _document(services, principal.owner, body)
     row = Batch(
         id=new_batch_id("qab"),
         kind=KIND,
@@ -133,13 +164,16 @@ async def create_batch(services: Services, principal: Principal, body: QaBatchCr
         status="in_progress",
         request_total=len(body.questions),
         created_at=utcnow(),
-        document=body.document,
+        document=document,
         questions=body.questions,
         prompt_template=body.prompt_template,
-        sampling_params=body.model_dump(exclude={"document", "questions", "prompt_template"}),
+        sampling_params=body.model_dump(
+            exclude={"document", "document_file_id", "questions", "prompt_template"}
+        ),
     )
+    jobs = [body.job(document, question) for question in body.questions]
     try:
-        await submit_jobs(services, principal, [body.job(q) for q in body.questions], batch_row=row)
+        await submit_jobs(services, principal, jobs, batch_row=row)
     except ClientError as exc:
         # Said of `jobs[i]` by the job checks; the batch's caller sent a document and questions.
         index, _, message = exc.message.partition(": ")

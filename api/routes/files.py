@@ -1,7 +1,8 @@
 """`/v1/files`: upload, list, retrieve, download and delete files (OpenAI's Files API).
 
-Only purpose `batch` may be uploaded (the input of `/v1/batches`); batches write their results
-as files of purpose `batch_output`. A file's size is bounded by the request body limit
+Purposes a client may upload: `batch` (the input of `/v1/batches`) and `user_data` (a
+document for `/v1/qa-batches`, UTF-8 text); batches write their results as files of purpose
+`batch_output`. A file's size is bounded by the request body limit
 (`INFERQ_MAX_BODY_BYTES`). Another owner's file is 404, as a missing one is.
 """
 
@@ -21,7 +22,7 @@ from core.models import StoredFile
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
-UPLOAD_PURPOSES = ("batch",)
+UPLOAD_PURPOSES = ("batch", "user_data")
 """The purposes a client may upload files for."""
 
 MAX_FILENAME_CHARS = 400
@@ -66,7 +67,7 @@ async def upload_file(
     principal: PrincipalDep,
     services: ServicesDep,
     file: Annotated[UploadFile, File(description="The file; for batches, JSON Lines.")],
-    purpose: Annotated[str, Form(description="What the file is for: 'batch'.")],
+    purpose: Annotated[str, Form(description="What the file is for: 'batch' or 'user_data'.")],
 ) -> dict[str, Any]:
     """Store an uploaded file (multipart: `file`, `purpose`) for the caller."""
     if purpose not in UPLOAD_PURPOSES:

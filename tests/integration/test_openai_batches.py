@@ -331,3 +331,34 @@ def test_only_one_process_finalizes_a_batch(stack: Stack) -> None:
 
 def _columns(row: BatchRow) -> dict[str, Any]:
     return {c: getattr(row, c) for c in ("kind", "owner", "tier", "request_total", "created_at")}
+
+
+def test_bad_uploads_and_batches_get_clear_errors_and_enqueue_nothing(stack: Stack) -> None:
+    key = stack.create_key(Tier.BASIC)
+    client = _openai(stack, key)
+    good = _upload(
+        client, [_line("a", COMPLETIONS, {"model": str(stack.model_dir), "prompt": "x"})]
+    )
+    with pytest.raises(openai.BadRequestError) as wrong_purpose:
+        client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")
+    assert wrong_purpose.value.code == "invalid_request" and "purpose" in str(wrong_purpose.value)
+    with pytest.raises(openai.APIStatusError) as too_big:
+        client.files.create(file=("big.jsonl", b"x" * (2 << 20)), purpose="batch")
+    assert too_big.value.status_code == 413
+    with pytest.raises(openai.BadRequestError) as wrong_endpoint:
+        client.batches.create(
+            input_file_id=good,
+            endpoint="/v1/embeddings",  # type: ignore[arg-type]
+            completion_window="24h",
+        )
+    assert wrong_endpoint.value.status_code == 400
+    # A file that is not JSON Lines at all: every line is refused, the batch fails at once.
+    binary = client.files.create(
+        file=("img.png", b"\x89PNG\r\n\x1a\n\x00\xff\xfe"), purpose="batch"
+    )
+    failed = client.batches.create(
+        input_file_id=binary.id, endpoint=COMPLETIONS, completion_window="24h"
+    )
+    assert failed.status == "failed" and failed.errors is not None and failed.errors.data
+    with httpx.Client(base_url=stack.api_url, headers={"Authorization": f"Bearer {key}"}) as http:
+        assert http.get("/v1/jobs").json()["data"] == []

@@ -179,3 +179,25 @@ def test_the_cli_submits_waits_and_writes_the_answers(stack: Stack, tmp_path: Pa
     assert [row["answer"] for row in csv.DictReader(again.open())] == [
         line["answer"] for line in lines
     ]
+
+
+def test_the_document_can_be_an_uploaded_file(stack: Stack) -> None:
+    key, other = stack.create_key(Tier.STANDARD), stack.create_key(Tier.STANDARD)
+    document = _document(20)
+    with stack.client(key) as client:
+        uploaded = client.post(
+            "/v1/files",
+            data={"purpose": "user_data"},
+            files={"file": ("contract.txt", document.encode(), "text/plain")},
+        )
+        assert uploaded.status_code == 200, uploaded.text
+        file_id = uploaded.json()["id"]
+        body = {"document_file_id": file_id, "questions": ["Who?", "When?"], "max_tokens": 2}
+        batch = _wait_ended(client, _create(client, body)["id"])
+        both = client.post("/v1/qa-batches", json={**body, "document": document})
+    assert batch["status"] == "completed" and batch["counts"]["succeeded"] == 2
+    assert both.status_code == 400 and both.json()["error"]["code"] == "invalid_request"
+    with stack.client(other) as client:  # another owner's file is not there for them
+        response = client.post("/v1/qa-batches", json=body)
+    assert response.status_code == 404, response.text
+    assert response.json()["error"]["param"] == "document_file_id"

@@ -1,0 +1,251 @@
+"""Document Q&A: inferq against vLLM's own OpenAI server, the same 200 questions, one run.
+
+1. inferq (a local stack: own redis-server, SQLite, one CPU worker, the scheduler, the API):
+   one `POST /v1/qa-batches` with the document and `--questions` questions; wall time from the
+   POST to the last answer seen by the client, and each question's time to first token
+   (`timings.ttft_s`: submission to first token, on the server's clock).
+2. vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the same install and
+   model, prefix caching on, as inferq's worker runs it): the same prompts as concurrent
+   streaming `/v1/completions` requests; wall time from the first request to the last answer,
+   time to first token = request sent to first text chunk received.
+
+Same sampling on both: temperature 0 (so both make the same text), at most `--max-tokens` tokens.
+Run: `.venv/bin/python bench/qa_vs_vllm.py [--questions 200 --max-tokens 32]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import httpx
+from report import machine_info, percentile, running_stack
+
+from core.settings import Settings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = "{document}\n\nQuestion: {question}\nAnswer:"
+
+
+def workload(questions: int) -> tuple[str, list[str]]:
+    """One document (about 3,000 characters) and the questions about it."""
+    document = " ".join(f"Clause {i}: the tenant pays rent on day {i % 28 + 1}." for i in range(70))
+    return document, [f"When is rent due under clause {i % 70}? ({i})" for i in range(questions)]
+
+
+def run_inferq(
+    api_url: str, key: str, document: str, asked: list[str], tokens: int
+) -> dict[str, Any]:
+    """One Q&A batch; wall time and per-question TTFT."""
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"document": document, "questions": asked, "max_tokens": tokens, "temperature": 0}
+    with httpx.Client(base_url=api_url, headers=headers, timeout=120) as client:
+        started = time.perf_counter()
+        response = client.post("/v1/qa-batches", json=body)
+        if response.status_code != 202:
+            raise SystemExit(
+                f"POST /v1/qa-batches answered {response.status_code}: {response.text}"
+            )
+        batch_id = response.json()["id"]
+        while True:
+            batch = client.get(f"/v1/qa-batches/{batch_id}", params={"answers": "false"}).json()
+            if batch["status"] == "completed":
+                break
+            time.sleep(0.05)
+        wall_s = time.perf_counter() - started
+        answers = client.get(f"/v1/qa-batches/{batch_id}").json()["answers"]
+        ttfts = []
+        for answer in answers:
+            job = client.get(f"/v1/jobs/{answer['job_id']}").json()
+            if job["timings"]["ttft_s"] is not None:
+                ttfts.append(job["timings"]["ttft_s"])
+    succeeded = sum(a["status"] == "succeeded" for a in answers)
+    cached = sum(bool(a["cached_prompt_tokens"]) for a in answers)
+    return {"wall_s": wall_s, "ttft_s": ttfts, "succeeded": succeeded, "with_cached_prefix": cached}
+
+
+async def _stream_one(
+    session: aiohttp.ClientSession, model: str, prompt: str, tokens: int
+) -> tuple[float, float]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    sent = time.perf_counter()
+    first = 0.0
+    async with session.post("/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if first or not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if json.loads(line[6:])["choices"][0]["text"]:
+                first = time.perf_counter()
+    return (first or time.perf_counter()) - sent, time.perf_counter()
+
+
+async def _drive_vllm(url: str, model: str, prompts: list[str], tokens: int) -> dict[str, Any]:
+    timeout = aiohttp.ClientTimeout(total=600)
+    connector = aiohttp.TCPConnector(limit=len(prompts))
+    async with aiohttp.ClientSession(url, timeout=timeout, connector=connector) as session:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(_stream_one(session, model, p, tokens) for p in prompts))
+    return {
+        "wall_s": max(done for _, done in results) - started,
+        "ttft_s": [ttft for ttft, _ in results],
+        "succeeded": len(results),
+    }
+
+
+def run_vllm_server(
+    model: str, prompts: list[str], tokens: int, port: int, log: Path
+) -> dict[str, Any]:
+    """Start vLLM's OpenAI server on the model, send every prompt at once, stop it."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    command += ["--port", str(port), "--gpu-memory-utilization", "0.2", "--enable-prefix-caching"]
+    with log.open("wb") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 600
+            while True:
+                if server.poll() is not None:
+                    raise SystemExit(f"vLLM's server exited; see {log}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"vLLM's server did not start; see {log}")
+                time.sleep(1)
+            return asyncio.run(_drive_vllm(url, model, prompts, tokens))
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def save_chart(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Bars: wall time; TTFT p50 and p95; for both systems."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    labels = list(results)
+    left.bar(labels, [r["wall_s"] for r in results.values()], color=["tab:green", "tab:gray"])
+    left.set_ylabel("seconds, first request to last answer")
+    left.set_title("document Q&A: wall time")
+    width = 0.35
+    for offset, q in ((-width / 2, 50), (width / 2, 95)):
+        right.bar(
+            [i + offset for i in range(len(labels))],
+            [percentile(results[label]["ttft_s"], q) for label in labels],
+            width,
+            label=f"p{q}",
+        )
+    right.set_xticks(range(len(labels)), labels)
+    right.set_ylabel("time to first token (s)")
+    right.set_title("TTFT")
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both, print the table, save chart and JSON."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--questions", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+
+    from core.apikeys import KeyStore
+    from core.db import Database
+    from core.tiers import Tier
+    from inferq.local import free_port
+    from workers.localmodel import init_local_model, is_model_dir
+
+    machine = machine_info()
+    work_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
+    model_dir = REPO_ROOT / ".inferq" / "model"
+    if not is_model_dir(model_dir):
+        model_dir = init_local_model(work_dir / "model")
+    model = str(model_dir.resolve())
+    document, asked = workload(args.questions)
+    prompts = [TEMPLATE.replace("{document}", document).replace("{question}", q) for q in asked]
+    print(
+        f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
+        f"workload: one document ({len(document)} chars) x {args.questions} questions, "
+        f"{args.max_tokens} tokens each, temperature 0\n",
+        flush=True,
+    )
+    settings = Settings(
+        data_dir=work_dir,
+        database_url=f"sqlite:///{work_dir / 'inferq.db'}",
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        model=model,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    with running_stack(settings, free_port(), {"INFERQ_RESULT_CACHE_TTL_S": "0"}) as (url, _, _):
+        key = KeyStore(Database(settings.sqlalchemy_url)).create("bench", Tier.BASIC)[0]
+        results["inferq"] = run_inferq(url, key, document, asked, args.max_tokens)
+    print(f"inferq: {results['inferq']['wall_s']:.2f} s", flush=True)
+    results["vLLM server"] = run_vllm_server(
+        model, prompts, args.max_tokens, free_port(), work_dir / "vllm-server.log"
+    )
+    print(f"vLLM server: {results['vLLM server']['wall_s']:.2f} s", flush=True)
+    shutil.rmtree(work_dir, ignore_errors=True)
+
+    ratio = results["inferq"]["wall_s"] / results["vLLM server"]["wall_s"]
+    print(f"\n{'system':<13}{'wall s':>8}{'TTFT p50 s':>12}{'TTFT p95 s':>12}{'answered':>10}")
+    for label, r in results.items():
+        print(
+            f"{label:<13}{r['wall_s']:>8.2f}{percentile(r['ttft_s'], 50):>12.2f}"
+            f"{percentile(r['ttft_s'], 95):>12.2f}{r['succeeded']:>10}"
+        )
+    print(f"wall-time ratio inferq / vLLM server: {ratio:.2f}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    chart = args.out / "qa_vs_vllm.png"
+    save_chart(results, chart)
+    report = {
+        "created_at": datetime.now(UTC).isoformat(),
+        "machine": machine,
+        "workload": vars(args) | {"out": str(args.out), "document_chars": len(document)},
+        "results": {
+            label: {
+                "wall_s": round(r["wall_s"], 3),
+                "ttft_p50_s": round(percentile(r["ttft_s"], 50), 3),
+                "ttft_p95_s": round(percentile(r["ttft_s"], 95), 3),
+                "succeeded": r["succeeded"],
+            }
+            for label, r in results.items()
+        }
+        | {"ratio_inferq_over_vllm": round(ratio, 3)},
+    }
+    (args.out / "qa_vs_vllm.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {chart} and {args.out / 'qa_vs_vllm.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

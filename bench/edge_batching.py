@@ -16,8 +16,10 @@ import argparse
 import asyncio
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
 
-    from inferq.local import free_port
+    from inferq.local import free_port, redis_reachable, redis_server_command
     from workers.localmodel import init_local_model, is_model_dir
 
     machine = machine_info()
@@ -102,11 +104,23 @@ def main(argv: list[str] | None = None) -> int:
         )
         work_dir.mkdir(parents=True)
         env = {"INFERQ_EDGE_BATCH": edge_batch, "INFERQ_RESULT_CACHE_TTL_S": "0"}
-        with running_stack(settings, free_port(), env) as (api_url, key, _):
-            client = redis.Redis.from_url(settings.redis_url)
-            before = _command_calls(client)
-            done = asyncio.run(run(api_url, key, args.jobs, args.max_tokens))
-            after = _command_calls(client)
+        # The stack's own redis-server, started here so its command counts can be read.
+        port = int(settings.redis_url.rsplit(":", 1)[1].split("/")[0])
+        server = subprocess.Popen(
+            redis_server_command(shutil.which("redis-server") or "redis-server", port, work_dir),
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(settings.redis_url)
+        try:
+            while not redis_reachable(settings.redis_url):
+                time.sleep(0.1)
+            with running_stack(settings, free_port(), env) as (api_url, key, _):
+                before = _command_calls(client)
+                done = asyncio.run(run(api_url, key, args.jobs, args.max_tokens))
+                after = _command_calls(client)
+        finally:
+            server.terminate()
+            server.wait()
         calls = {name: after[name] - before.get(name, 0) for name in after}
         waits = [job["timings"]["queue_s"] for job in done if job["timings"]["queue_s"]]
         results[label] = {
@@ -116,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             "queue_wait_p95_s": round(percentile(waits, 95), 3),
             "redis_commands_per_job": round(sum(calls.values()) / len(done), 1),
             "brpop_per_job": round(calls.get("brpop", 0) / len(done), 2),
-            "bulk_takes": calls.get("evalsha", 0) + calls.get("eval", 0),
+            "lua_script_calls_per_job": round(
+                (calls.get("evalsha", 0) + calls.get("eval", 0)) / len(done), 2
+            ),
         }
         print(f"{label}: {results[label]}", flush=True)
     shutil.rmtree(work_root, ignore_errors=True)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from api import metrics
 from api.errors import install_error_handlers
@@ -15,6 +16,19 @@ from api.routes import batches, files, health, jobs, openai, qa_batches, streams
 from api.services import Services
 from core.settings import Settings, get_settings
 from core.tracing import init_tracing
+
+CORS_REQUEST_HEADERS = [
+    "Authorization",
+    "X-API-Key",
+    "Content-Type",
+    "Accept",
+    "Idempotency-Key",
+    "Last-Event-ID",
+]
+"""Headers a browser may send cross-origin (with `INFERQ_CORS_ORIGINS`); keys travel in headers,
+never cookies, so credentials stay off."""
+
+CORS_RESPONSE_HEADERS = ["Location", "Idempotent-Replayed", "Retry-After"]
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -40,6 +54,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(metrics.HttpMetrics)
+    if settings.cors_origins:
+        # Outermost, so preflights and the body limit's 413 carry the headers too.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=CORS_REQUEST_HEADERS,
+            expose_headers=CORS_RESPONSE_HEADERS,
+            max_age=600,
+        )
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(metrics.router)

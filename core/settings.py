@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from core.tiers import DEFAULT_TIER_POLICIES, Tier, TierPolicy
 
@@ -119,6 +119,11 @@ class Settings(BaseSettings):
         ge=0,
         description="How long the API trusts a checked key; a revoked key works up to this long.",
     )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Browser origins allowed to call the API (CORS), comma-separated or a JSON "
+        "list, e.g. https://app.example.com; empty: no CORS headers at all.",
+    )
     default_max_tokens: int = Field(default=256, description="max_tokens when a job omits it.")
     max_body_bytes: int = Field(default=1024 * 1024, description="Largest accepted request body.")
     job_key_ttl_s: int = Field(default=24 * 3600, description="TTL of every per-job Redis key.")
@@ -159,6 +164,17 @@ class Settings(BaseSettings):
             for name in {*from_file, *override}
         }
         return {**data, "tiers": merged}
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: Any) -> Any:
+        """Accept `a,b` as well as `["a", "b"]`; an origin has no trailing slash."""
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if isinstance(value, list):
+            return [str(origin).strip().rstrip("/") for origin in value if str(origin).strip()]
+        return value
 
     @field_validator("tiers", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from api import metrics
 from api.errors import install_error_handlers
 from api.limits import BodySizeLimit
+from api.openapi import install_openapi
 from api.routes import batches, files, health, jobs, openai, qa_batches, streams
 from api.services import Services
 from core.settings import Settings, get_settings
@@ -65,6 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_age=600,
         )
     install_error_handlers(app)
+    install_openapi(app)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(jobs.router)

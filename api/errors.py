@@ -7,6 +7,7 @@ fault), which is the exact shape the openai SDK reads.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -15,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 from core.errors import ClientError, ServiceUnavailable
 
@@ -65,10 +67,13 @@ def error_response(
     param: str | None = None,
     *,
     openai: bool = False,
+    headers: Mapping[str, str] | None = None,
     **extra: Any,
 ) -> JSONResponse:
-    """A JSON error response."""
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    """A JSON error response; `headers` are sent too (e.g. the `Allow` of a 405)."""
+    headers = dict(headers or {})
+    if status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     if "retry_after" in extra:
         headers["Retry-After"] = str(extra["retry_after"])
     body = error_body(error_type, code, message, param, openai=openai, **extra)
@@ -86,6 +91,18 @@ def describe_validation_error(error: dict[str, Any]) -> tuple[str, str]:
     if param == "body" and error.get("type") in ("model_attributes_type", "dict_type"):
         return "body", "The body must be a JSON object (Content-Type: application/json)."
     return param, f"{param}: {error.get('msg', 'invalid value')}."
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods of the path template the request's path resolves to (its first match)."""
+    matching = [
+        route
+        for route in request.app.router.routes
+        if isinstance(route, Route) and route.matches(request.scope)[0] is not Match.NONE
+    ]
+    # `/v1/jobs/batch` would also fit `/v1/jobs/{job_id}`; only the first template counts.
+    template = matching[0].path if matching else None
+    return sorted({m for route in matching if route.path == template for m in route.methods or ()})
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -119,8 +136,17 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type, code = _HTTP_CODES.get(exc.status_code, ("invalid_request_error", "http_error"))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # RFC 9110: a 405 lists every method of the path, not just those of one route.
+            headers["Allow"] = ", ".join(allowed_methods(request))
         return error_response(
-            exc.status_code, error_type, code, str(exc.detail), openai=openai(request)
+            exc.status_code,
+            error_type,
+            code,
+            str(exc.detail),
+            openai=openai(request),
+            headers=headers,
         )
 
     async def _unavailable(request: Request, exc: Exception) -> JSONResponse:

@@ -14,14 +14,15 @@ from starlette.concurrency import run_in_threadpool
 from api.deps import PrincipalDep, ServicesDep
 from api.openai_batch_protocol import BatchCreate, batch_object
 from api.openai_batches import advance, cancel_batch, create_batch, get_batch
+from api.openapi import COMMON_ERRORS, error_responses
 from api.routes.files import page
 from core.errors import InvalidRequest
 from core.openai_batches import OpenAIBatchStore
 
-router = APIRouter(prefix="/v1/batches", tags=["batches"])
+router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=COMMON_ERRORS)
 
 
-@router.post("")
+@router.post("", responses=error_responses(404, 413, 429))
 async def create(
     body: BatchCreate, principal: PrincipalDep, services: ServicesDep
 ) -> dict[str, Any]:
@@ -55,14 +56,14 @@ async def list_batches(
     return page(data, len(batches) > limit)
 
 
-@router.get("/{batch_id}")
+@router.get("/{batch_id}", responses=error_responses(404))
 async def retrieve(batch_id: str, principal: PrincipalDep, services: ServicesDep) -> dict[str, Any]:
     """The batch, with its request counts (finished once all its requests have ended)."""
     batch = await get_batch(services, principal.owner, batch_id)
     return batch_object(*await advance(services, batch))
 
 
-@router.post("/{batch_id}/cancel")
+@router.post("/{batch_id}/cancel", responses=error_responses(404, 409))
 async def cancel(batch_id: str, principal: PrincipalDep, services: ServicesDep) -> dict[str, Any]:
     """Cancel the requests not yet final: `cancelling`, then `cancelled` once they have ended."""
     batch, counts = await cancel_batch(services, principal.owner, batch_id)

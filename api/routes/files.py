@@ -16,11 +16,12 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import PrincipalDep, ServicesDep
 from api.openai_batch_protocol import unix
+from api.openapi import COMMON_ERRORS, error_responses
 from core.errors import InvalidRequest, NotFound
 from core.files import FileStore, new_stored_file
 from core.models import StoredFile
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], responses=COMMON_ERRORS)
 
 UPLOAD_PURPOSES = ("batch", "user_data")
 """The purposes a client may upload files for."""
@@ -62,7 +63,7 @@ async def _get(services: ServicesDep, owner: str, file_id: str, content: bool) -
     return stored
 
 
-@router.post("")
+@router.post("", responses=error_responses(413))
 async def upload_file(
     principal: PrincipalDep,
     services: ServicesDep,
@@ -110,7 +111,7 @@ async def list_files(
     return page([file_object(f) for f in files[:limit]], len(files) > limit)
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", responses=error_responses(404))
 async def retrieve_file(
     file_id: str, principal: PrincipalDep, services: ServicesDep
 ) -> dict[str, Any]:
@@ -118,7 +119,14 @@ async def retrieve_file(
     return file_object(await _get(services, principal.owner, file_id, content=False))
 
 
-@router.get("/{file_id}/content", response_class=Response)
+@router.get(
+    "/{file_id}/content",
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "The bytes"},
+        **error_responses(404),
+    },
+)
 async def file_content(file_id: str, principal: PrincipalDep, services: ServicesDep) -> Response:
     """The file's bytes, as uploaded or written."""
     stored = await _get(services, principal.owner, file_id, content=True)
@@ -129,7 +137,7 @@ async def file_content(file_id: str, principal: PrincipalDep, services: Services
     )
 
 
-@router.delete("/{file_id}")
+@router.delete("/{file_id}", responses=error_responses(404))
 async def delete_file(
     file_id: str, principal: PrincipalDep, services: ServicesDep
 ) -> dict[str, Any]:

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import ServicesDep
 
 router = APIRouter(tags=["health"])
+
+
+class Readiness(BaseModel):
+    """Whether the API can serve, and the state of each service it needs."""
+
+    status: Literal["ready", "unavailable"]
+    checks: dict[str, str]
 
 
 @router.get("/healthz")
@@ -19,7 +27,11 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    response_model=Readiness,
+    responses={503: {"model": Readiness, "description": "A service is down or behind."}},
+)
 async def readyz(services: ServicesDep) -> JSONResponse:
     """Ready when Redis and the database answer and the schema is current."""
     checks: dict[str, Any] = {}

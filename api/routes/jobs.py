@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import PrincipalDep, ServicesDep
 from api.negotiation import MsgpackRoute, NegotiatedResponse
+from api.openapi import COMMON_ERRORS, error_responses
 from api.schemas import (
     JobBatchCreate,
     JobCreate,
@@ -29,6 +30,7 @@ router = APIRouter(
     tags=["jobs"],
     route_class=MsgpackRoute,
     default_response_class=NegotiatedResponse,
+    responses=COMMON_ERRORS,
 )
 
 MAX_WAIT_S = 60.0
@@ -39,7 +41,15 @@ CANCEL_WAIT_S = 5.0
     "",
     status_code=202,
     response_model=JobOut,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "with stream=true"}},
+    responses={
+        200: {
+            "model": JobOut,
+            "content": {"text/event-stream": {}},
+            "description": "The job stored earlier under this Idempotency-Key; with stream=true, "
+            "the job's events.",
+        },
+        **error_responses(409, 413, 429),
+    },
 )
 async def create_job(
     body: JobCreate,
@@ -73,7 +83,7 @@ async def create_job(
     )
 
 
-@router.post("/batch", status_code=202, response_model=JobList)
+@router.post("/batch", status_code=202, response_model=JobList, responses=error_responses(413, 429))
 async def create_jobs(
     body: JobBatchCreate, principal: PrincipalDep, services: ServicesDep
 ) -> JobList:
@@ -82,7 +92,7 @@ async def create_jobs(
     return JobList(data=[JobOut.from_job(job) for job in jobs], next_cursor=None)
 
 
-@router.get("/{job_id}", response_model=JobOut)
+@router.get("/{job_id}", response_model=JobOut, responses=error_responses(404))
 async def get_job(
     job_id: str,
     principal: PrincipalDep,
@@ -120,7 +130,14 @@ async def list_jobs(
     return JobList(data=[JobOut.from_job(job) for job in page], next_cursor=next_cursor)
 
 
-@router.delete("/{job_id}", response_model=JobOut)
+@router.delete(
+    "/{job_id}",
+    response_model=JobOut,
+    responses={
+        202: {"model": JobOut, "description": "Still stopping"},
+        **error_responses(404, 409),
+    },
+)
 async def delete_job(
     job_id: str, principal: PrincipalDep, services: ServicesDep
 ) -> NegotiatedResponse:

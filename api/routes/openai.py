@@ -22,15 +22,17 @@ from api.openai_protocol import (
     model_card,
 )
 from api.openai_serving import completion_response, completion_stream, wait_for_job
+from api.openapi import COMMON_ERRORS, error_responses
 from api.schemas import JobCreate
 from api.services import Services
 from api.submission import submit_job
 from core.apikeys import Principal
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], responses=COMMON_ERRORS)
 
 _STREAM_DOC: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"text/event-stream": {}}, "description": "with stream=true"}
+    200: {"content": {"text/event-stream": {}}, "description": "with stream=true"},
+    **error_responses(404, 409, 413, 429, 500, 504),
 }
 
 
@@ -45,7 +47,7 @@ async def list_models(_principal: PrincipalDep, services: ServicesDep) -> dict[s
     return {"object": "list", "data": [_card(services)]}
 
 
-@router.get("/models/{model_id:path}")
+@router.get("/models/{model_id:path}", responses=error_responses(404))
 async def retrieve_model(
     model_id: str, _principal: PrincipalDep, services: ServicesDep
 ) -> dict[str, Any]:

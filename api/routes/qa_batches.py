@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import PrincipalDep, ServicesDep
 from api.negotiation import MsgpackRoute, NegotiatedResponse
+from api.openapi import COMMON_ERRORS, error_responses
 from api.qa_batches import (
     QaBatchCreate,
     QaBatchOut,
@@ -27,12 +28,15 @@ router = APIRouter(
     tags=["qa-batches"],
     route_class=MsgpackRoute,
     default_response_class=NegotiatedResponse,
+    responses=COMMON_ERRORS,
 )
 
 MEDIA_TYPES = {"jsonl": "application/x-ndjson", "csv": "text/csv; charset=utf-8"}
 
 
-@router.post("", status_code=202, response_model=QaBatchOut)
+@router.post(
+    "", status_code=202, response_model=QaBatchOut, responses=error_responses(404, 413, 429)
+)
 async def create_qa_batch(
     body: QaBatchCreate, principal: PrincipalDep, services: ServicesDep
 ) -> NegotiatedResponse:
@@ -50,7 +54,12 @@ async def create_qa_batch(
     )
 
 
-@router.get("/{batch_id}", response_model=QaBatchOut, response_model_exclude_none=True)
+@router.get(
+    "/{batch_id}",
+    response_model=QaBatchOut,
+    response_model_exclude_none=True,
+    responses=error_responses(404),
+)
 async def get_qa_batch(
     batch_id: str,
     principal: PrincipalDep,
@@ -65,7 +74,10 @@ async def get_qa_batch(
 @router.get(
     "/{batch_id}/results",
     response_class=Response,
-    responses={200: {"content": {"application/x-ndjson": {}, "text/csv": {}}}},
+    responses={
+        200: {"content": {"application/x-ndjson": {}, "text/csv": {}}},
+        **error_responses(404),
+    },
 )
 async def get_qa_batch_results(
     batch_id: str,
@@ -79,7 +91,12 @@ async def get_qa_batch_results(
     return Response(render(answers_of(batch, jobs), format), media_type=MEDIA_TYPES[format])
 
 
-@router.post("/{batch_id}/cancel", response_model=QaBatchOut, response_model_exclude_none=True)
+@router.post(
+    "/{batch_id}/cancel",
+    response_model=QaBatchOut,
+    response_model_exclude_none=True,
+    responses=error_responses(404),
+)
 async def cancel_qa_batch(
     batch_id: str, principal: PrincipalDep, services: ServicesDep
 ) -> QaBatchOut:

@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import PrincipalDep, ServicesDep, get_principal
 from api.errors import describe_validation_error, error_body, error_response
+from api.openapi import COMMON_ERRORS, error_responses
 from api.schemas import JobCreate, JobOut
 from api.services import Services
 from api.streaming import cancel_quietly, event_stream, follow_events, parse_last_event_id
@@ -41,7 +42,11 @@ async def _owned_job(services: Services, principal: Principal, job_id: str) -> J
 @router.get(
     "/v1/jobs/{job_id}/events",
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {}}}},
+    responses={
+        200: {"content": {"text/event-stream": {}}},
+        **COMMON_ERRORS,
+        **error_responses(404),
+    },
 )
 async def job_events(
     job_id: str,

@@ -65,6 +65,7 @@ class Job(Base):
         Index("ix_jobs_status", "status"),
         Index("ix_jobs_status_queue_deadline", "status", "queue_deadline_at"),
         Index("ix_jobs_batch", "batch_id", "batch_index"),
+        Index("ix_jobs_finished", "finished_at"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -183,5 +184,5 @@ class StoredFile(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-SCHEMA_REVISION = "0005"
+SCHEMA_REVISION = "0006"
 """The Alembic head this code expects; /readyz compares it with the database."""

@@ -127,6 +127,18 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(default=256, description="max_tokens when a job omits it.")
     max_body_bytes: int = Field(default=1024 * 1024, description="Largest accepted request body.")
     job_key_ttl_s: int = Field(default=24 * 3600, description="TTL of every per-job Redis key.")
+    retention_days: float = Field(
+        default=30.0,
+        ge=0,
+        description="Finished jobs (and finished batches with their jobs and result files) "
+        "older than this are deleted by `inferq scheduler` and `inferq db purge`; 0: keep forever.",
+    )
+    retention_interval_s: float = Field(
+        default=3600.0, gt=0, description="How often `inferq scheduler` purges old rows."
+    )
+    retention_chunk: int = Field(
+        default=1000, ge=1, description="Rows the retention purge deletes per transaction."
+    )
     result_cache_ttl_s: int = Field(
         default=3600,
         ge=0,

@@ -77,7 +77,7 @@ def worker(
 @main.command()
 def scheduler() -> None:
     """Run the periodic work: dispatch held jobs fairly, age waiting ones, expire overdue ones,
-    requeue jobs of lost workers."""
+    requeue jobs of lost workers, purge finished jobs past the retention period."""
     import signal
     import threading
 
@@ -89,6 +89,7 @@ def scheduler() -> None:
     from scheduler.dispatch import Dispatcher
     from scheduler.queues import make_celery_app
     from scheduler.reaper import Scheduler
+    from scheduler.retention import run_retention
 
     settings = _settings()
     serve_metrics(settings.scheduler_metrics_port)
@@ -101,6 +102,14 @@ def scheduler() -> None:
     )
     dispatching = threading.Thread(target=dispatcher.run, args=(stopped,), name="dispatcher")
     dispatching.start()
+    # Its own thread: a long purge must not delay expiry and reaping.
+    purging = threading.Thread(
+        target=run_retention,
+        args=(settings, Database(settings.sqlalchemy_url), stopped),
+        name="retention",
+        daemon=True,
+    )
+    purging.start()
     Scheduler(
         settings,
         JobStore(Database(settings.sqlalchemy_url)),
@@ -149,6 +158,30 @@ def db_upgrade() -> None:
     settings = _settings()
     upgrade(settings.sqlalchemy_url)
     click.echo(f"database at head: {_redacted(settings.sqlalchemy_url)}")
+
+
+@db.command("purge")
+@click.option(
+    "--older-than",
+    "days",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Days; default INFERQ_RETENTION_DAYS. 0 deletes everything finished.",
+)
+def db_purge(days: float | None) -> None:
+    """Delete finished jobs and batches older than the retention period, in chunks."""
+    from core.db import Database
+    from scheduler.retention import purge_old
+
+    settings = _settings()
+    if days is None and settings.retention_days <= 0:
+        click.echo("retention is off (INFERQ_RETENTION_DAYS=0): nothing purged")
+        return
+    report = purge_old(settings, Database(settings.sqlalchemy_url), days)
+    click.echo(
+        f"deleted {report.jobs} jobs, {report.batches} batches and {report.files} files "
+        f"finished more than {settings.retention_days if days is None else days:g} days ago"
+    )
 
 
 @main.group()

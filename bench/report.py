@@ -137,12 +137,13 @@ def save_chart(modes: list[ModeResult], title: str, path: Path) -> None:
 
 @contextlib.contextmanager
 def running_stack(
-    settings: Settings, api_port: int, env: dict[str, str] | None = None
+    settings: Settings, api_port: int, env: dict[str, str] | None = None, worker: bool = True
 ) -> Iterator[tuple[str, str, float]]:
     """A local stack (own redis-server, the database, one CPU worker, the scheduler, the API).
 
     Yields the API's URL, a premium key and the start-up time; stops everything afterwards.
-    `env` adds settings for the children (e.g. `INFERQ_WORKER_CONCURRENCY`).
+    `env` adds settings for the children (e.g. `INFERQ_WORKER_CONCURRENCY`); `worker=False`
+    starts no worker (nothing takes jobs from the queues).
     """
     from core.apikeys import KeyStore
     from core.db import Database
@@ -167,13 +168,14 @@ def running_stack(
         key, _ = KeyStore(Database(settings.sqlalchemy_url)).create("bench", Tier.PREMIUM)
         started = time.perf_counter()
         stack.env.setdefault("INFERQ_SCHEDULER_METRICS_PORT", "0")
-        stack.inferq("worker", "worker", "--device", "cpu")
+        if worker:
+            stack.inferq("worker", "worker", "--device", "cpu")
         stack.inferq("scheduler", "scheduler")
         stack.inferq("api", "api", "--port", str(api_port))
         api_url = f"http://127.0.0.1:{api_port}"
         if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):
             raise SystemExit("the API did not become ready within 120 s")
-        if not stack.wait_worker(redis_url, timeout_s=300):
+        if worker and not stack.wait_worker(redis_url, timeout_s=300):
             raise SystemExit("the worker did not start within 300 s")
         yield api_url, key, time.perf_counter() - started
     finally:

@@ -15,6 +15,7 @@ from api.limits import BodySizeLimit
 from api.openapi import install_openapi
 from api.routes import batches, files, health, jobs, openai, qa_batches, streams
 from api.services import Services
+from api.url_guard import NulFreeUrls
 from core.settings import Settings, get_settings
 from core.tracing import init_tracing
 
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(NulFreeUrls)
     app.add_middleware(metrics.HttpMetrics)
     if settings.cors_origins:
         # Outermost, so preflights and the body limit's 413 carry the headers too.

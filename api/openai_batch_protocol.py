@@ -26,7 +26,7 @@ from api.openai_protocol import (
     completion_body,
     job_failure,
 )
-from api.schemas import JobCreate
+from api.schemas import NO_NUL, JobCreate
 from core.errors import ClientError, InvalidRequest
 from core.modelinfo import ModelInfo
 from core.models import Batch, Job, as_utc
@@ -58,7 +58,9 @@ class BatchCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    input_file_id: str = Field(max_length=40, description="A file uploaded with purpose batch.")
+    input_file_id: str = Field(
+        max_length=40, pattern=NO_NUL, description="A file uploaded with purpose batch."
+    )
     endpoint: BatchEndpoint
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
@@ -155,6 +157,8 @@ def _parse_line(raw: bytes, number: int, position: int, endpoint: str) -> Reques
         return bad("missing_custom_id", "custom_id must be a non-empty string.")
     if len(custom_id) > MAX_CUSTOM_ID_CHARS:
         return bad("invalid_custom_id", f"custom_id is over {MAX_CUSTOM_ID_CHARS} characters.")
+    if "\x00" in custom_id:  # it keys the results, and PostgreSQL text cannot hold a NUL
+        return bad("invalid_custom_id", "custom_id contains a NUL character.")
     if entry.get("method") != "POST":
         return bad("invalid_method", "method must be 'POST'.", custom_id)
     if entry.get("url") != endpoint:

@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from api.schemas import JobCreate
+from api.schemas import NO_NUL, JobCreate
 from api.services import Services
 from api.submission import submit_jobs
 from core import keys
@@ -45,6 +45,7 @@ class QaBatchCreate(BaseModel):
     )
     document_file_id: str | None = Field(
         default=None,
+        pattern=NO_NUL,
         description="Instead of `document`: the id of an uploaded file (UTF-8 text) holding it.",
     )
     questions: list[str] = Field(min_length=1, max_length=MAX_QUESTIONS)

@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from core.errors import InvalidRequest
 from core.models import Job, as_utc
 
+NO_NUL = r"^[^\x00]*$"
+"""Pattern of a string that names a stored resource: PostgreSQL cannot compare text with a NUL."""
+
 
 class JobCreate(BaseModel):
     """A generation job as a client submits it; unknown fields and wrong types are rejected."""

@@ -44,6 +44,7 @@ BATCH_SIZE = 100
 CONCURRENT_BATCHES = 2
 FINAL = ("succeeded", "failed", "cancelled", "timed_out")
 JOB_KEY_PATTERN = "inferq:job:*"
+MAX_RETRY_WAIT_S = 5.0
 
 
 class RedisSampler:
@@ -151,7 +152,14 @@ async def submit_all(api_url: str, key: str, jobs: int, seed: int) -> tuple[list
                             f"POST /v1/jobs/batch: {response.status} {await response.text()}"
                         )
                     refused += 1
-                    await asyncio.sleep(float(response.headers.get("Retry-After", "1")))
+                    retry_after = float(response.headers.get("Retry-After", "1"))
+                    error = (await response.json())["error"]
+                    print(
+                        f"429 {error['code']} (Retry-After {retry_after:g} s): {error['message']}",
+                        flush=True,
+                    )
+                    # At most a few seconds: the backlog drains while we wait.
+                    await asyncio.sleep(min(retry_after, MAX_RETRY_WAIT_S))
 
     started = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=120)

@@ -77,7 +77,8 @@ async def upload_file(
             param="purpose",
         )
     content = await file.read()
-    filename = (file.filename or "upload")[:MAX_FILENAME_CHARS]
+    # A NUL is no use in a name, and PostgreSQL cannot store one in text.
+    filename = (file.filename or "upload").replace("\x00", "")[:MAX_FILENAME_CHARS] or "upload"
     stored = new_stored_file(principal.owner, purpose, filename, content)
     await run_in_threadpool(FileStore(services.db).add, stored)
     return file_object(stored)

@@ -158,7 +158,8 @@ _FINAL = {status.value for status in JobStatus if status.is_final}
 
 def _job_id(message: dict[str, Any]) -> str:
     job_id = message.get("job_id")
-    if not isinstance(job_id, str) or not job_id:
+    # No id has a NUL, and PostgreSQL cannot even compare one: it closed the socket there.
+    if not isinstance(job_id, str) or not job_id or "\x00" in job_id:
         raise InvalidRequest("job_id must be a job's id.", param="job_id")
     return job_id
 

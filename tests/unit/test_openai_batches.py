@@ -85,6 +85,15 @@ def test_a_line_that_is_not_utf8_is_invalid() -> None:
     assert [(i.line, i.code) for i in parsed.invalid] == [(2, "invalid_json_line")]
 
 
+def test_a_custom_id_with_a_nul_is_an_invalid_line() -> None:
+    # It would key a job row, and PostgreSQL text cannot hold a NUL (a 500 there before).
+    parsed = parse_input(_file(_line("a"), _line("b\x00")), COMPLETIONS)
+    assert [r.custom_id for r in parsed.requests] == ["a"]
+    assert [(i.line, i.code, i.custom_id) for i in parsed.invalid] == [
+        (2, "invalid_custom_id", None)
+    ]
+
+
 def test_a_duplicate_custom_id_rejects_the_whole_file() -> None:
     with pytest.raises(DuplicateCustomId) as caught:
         parse_input(_file(_line("a"), _line("b"), "oops", _line("a")), COMPLETIONS)

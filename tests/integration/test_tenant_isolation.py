@@ -69,7 +69,8 @@ def _ok(response: httpx.Response, status: int = 200) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def owner_a(stack: Stack) -> Iterator[OwnerA]:
+def owner_a(stack: Stack) -> OwnerA:
+    """Owner A with an ended job, a document file, an OpenAI batch and a Q&A batch."""
     key = stack.create_key(Tier.STANDARD)
     with stack.client(key) as client:
         job = stack.submit(key, prompt="Owner A's job.", max_tokens=2)
@@ -109,7 +110,7 @@ def owner_a(stack: Stack) -> Iterator[OwnerA]:
             "batch": _ok(batch)["id"],
             "qa_batch": _ok(qa, 202)["id"],
         }
-    yield OwnerA(key, ids, input_file)
+    return OwnerA(key, ids, input_file)
 
 
 def _operations() -> Iterator[tuple[str, str]]:

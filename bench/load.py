@@ -272,6 +272,8 @@ def save_chart(steps: list[Step], title: str, path: Path) -> None:
     right.plot(rates, [max(s.health_ms, default=0) for s in steps], "^-", label="max")
     right.set_xscale("log", base=2)
     right.set_yscale("log")
+    for axis in (left, right):
+        axis.set_xticks(rates, [f"{rate:g}" for rate in rates])
     right.set_xlabel("offered rate, jobs/s")
     right.set_ylabel("GET /healthz, ms")
     right.set_title("/healthz while submitting")

@@ -18,7 +18,7 @@ import redis.exceptions
 
 from api.services import Services
 from core import keys
-from core.errors import QueueFull
+from core.errors import QueueFull, ServiceUnavailable
 from core.jobs import NewJob
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from scheduler.routing import WAITING_SCRIPT, waiting_args
@@ -50,8 +50,9 @@ async def admit_to_queue(services: Services, batch: list[NewJob]) -> None:
         if capacity <= 0:
             return
         waiting = await waiting_counts(services)
-    except redis.exceptions.RedisError:  # submission itself will say what is wrong
-        return
+    except redis.exceptions.RedisError as exc:
+        # Refused before anything is stored: the job could not be enqueued now anyway.
+        raise ServiceUnavailable("The queue is unavailable; retry shortly.") from exc
     tier = Tier(batch[0].tier)
     ahead = sum(waiting[t] for t in TIERS_BY_PRIORITY[: TIERS_BY_PRIORITY.index(tier) + 1])
     # The last job of the batch waits for everything ahead plus the rest of the batch; a job

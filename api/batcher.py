@@ -12,6 +12,9 @@ from core.metrics import count_submitted
 from core.models import Job
 from scheduler.dispatch import Dispatcher, queued
 
+RETRY_S = 1.0
+"""How often jobs stored while Redis was out are offered to it again."""
+
 
 class SubmissionBatcher:
     """Stores and enqueues validated jobs in batches.
@@ -19,6 +22,9 @@ class SubmissionBatcher:
     Each request hands its job over and waits; one task takes everything waiting, stores it in
     one transaction and enqueues it over one broker connection (in the thread pool), so a burst
     of POSTs costs a few commits rather than one each. A lone request is a batch of one.
+
+    A stored job is accepted even if Redis fails just after the commit: the dispatcher keeps
+    it, and this task offers it to Redis again every `RETRY_S` until it is sent.
     """
 
     def __init__(self, jobs: JobStore, dispatcher: Dispatcher) -> None:
@@ -48,7 +54,12 @@ class SubmissionBatcher:
 
     async def _run(self) -> None:
         while True:
-            await self._wakeup.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout=RETRY_S)
+            if self.dispatcher.has_deferred():  # stored while Redis was out: send them now
+                await run_in_threadpool(self.dispatcher.send_deferred)
+            if not self._wakeup.is_set():
+                continue
             self._wakeup.clear()
             batch, self._pending = self._pending, []
             try:
@@ -67,6 +78,6 @@ class SubmissionBatcher:
         stored = self.jobs.create_many(batch)
         headers = [new.trace_headers for new in batch]
         route_chars = self.dispatcher.settings.prefix_route_chars
-        self.dispatcher.submit(queued(stored, headers, route_chars=route_chars))
+        self.dispatcher.submit_or_defer(queued(stored, headers, route_chars=route_chars))
         count_submitted(job.tier for job in stored)
         return stored

@@ -114,7 +114,7 @@ def _submit_blocking(services: Services, new: NewJob) -> tuple[Job, bool]:
     job, created = services.jobs.create(new)
     if created:
         if new.cached is None:
-            services.dispatcher.submit(
+            services.dispatcher.submit_or_defer(
                 queued([job], [new.trace_headers], route_chars=services.settings.prefix_route_chars)
             )
         count_submitted([job.tier])
@@ -177,7 +177,7 @@ def _store_many(
 ) -> list[Job]:
     jobs = services.jobs.create_many(batch, also)
     waiting = [job for job in jobs if job.served_from is None]
-    services.dispatcher.submit(
+    services.dispatcher.submit_or_defer(
         queued(waiting, [headers] * len(waiting), route_chars=services.settings.prefix_route_chars)
     )
     count_submitted(job.tier for job in jobs)

@@ -235,6 +235,16 @@ class JobStore:
             )
             return [(job_id, tier) for job_id, tier in rows]
 
+    def queued(self) -> list[tuple[str, str, datetime]]:
+        """(id, tier, created_at) of every queued job, oldest first."""
+        with self.db.session() as session:
+            rows = session.execute(
+                select(Job.id, Job.tier, Job.created_at)
+                .where(Job.status == JobStatus.QUEUED.value)
+                .order_by(Job.created_at)
+            )
+            return [(job_id, tier, created_at) for job_id, tier, created_at in rows]
+
     def running(self, started_before: datetime) -> list[Job]:
         """Jobs running since before `started_before` (candidates for a lapsed lease)."""
         with self.db.session() as session:

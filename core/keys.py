@@ -107,3 +107,6 @@ def worker_stats(worker_name: str) -> str:
 
 WORKERS_SET = f"{PREFIX}:workers"
 """Names of workers that have started."""
+
+DATA_MARK = f"{PREFIX}:data-mark"
+"""Never expires: its absence tells the scheduler that Redis lost its data (see `reaper`)."""

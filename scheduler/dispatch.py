@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import redis
 from celery import Celery
+from kombu.exceptions import KombuError
 
 from core import keys
 from core.models import Job, as_utc
@@ -186,6 +187,8 @@ class Dispatcher:
         self._take = client.register_script(_TAKE_HELD)
         self._promote = client.register_script(_PROMOTE)
         self.workers = WorkerDirectory(client)
+        self._deferred: list[QueuedJob] = []
+        self._deferred_lock = threading.Lock()
 
     def _keys(self, tier: Tier) -> list[str]:
         return [
@@ -212,6 +215,34 @@ class Dispatcher:
                     self._send([job for job in of_tier if job.entry() in send])
                 finally:
                     self.redis.decrby(keys.sending_count(tier), len(send))
+
+    def submit_or_defer(self, jobs: list[QueuedJob]) -> None:
+        """`submit`, keeping the jobs for `send_deferred` if Redis cannot take them now.
+
+        For jobs already committed: they are accepted, so a broker outage must not fail the
+        request that stored them. Sent again whole, a job may get two messages; workers skip
+        the second.
+        """
+        try:
+            self.submit(jobs)
+        except (redis.RedisError, KombuError) as exc:
+            log.warning("could not enqueue %d stored jobs, will retry: %s", len(jobs), exc)
+            with self._deferred_lock:
+                self._deferred.extend(jobs)
+
+    def has_deferred(self) -> bool:
+        """Whether `submit_or_defer` kept jobs that are not sent yet."""
+        with self._deferred_lock:
+            return bool(self._deferred)
+
+    def send_deferred(self) -> int:
+        """Try again to enqueue the jobs `submit_or_defer` kept; how many are still waiting."""
+        with self._deferred_lock:
+            jobs, self._deferred = self._deferred, []
+        if jobs:
+            self.submit_or_defer(jobs)
+        with self._deferred_lock:
+            return len(self._deferred)
 
     def release(self) -> int:
         """Refill every tier's queue from the held lists; returns how many jobs were sent."""
@@ -322,7 +353,7 @@ class Dispatcher:
                         log.info(
                             "dispatcher: %d jobs of lost workers back in the queues", reclaimed
                         )
-            except redis.RedisError:
-                log.warning("dispatcher: Redis unavailable; retrying", exc_info=True)
+            except redis.RedisError as exc:
+                log.warning("dispatcher: Redis unavailable; retrying: %s", exc)
                 stopped.wait(1.0)
             stopped.wait(interval_s)

@@ -5,7 +5,11 @@ Each tick:
   expired job never reaches an engine even when no worker is free to look at it;
 - finds running jobs whose worker lease has lapsed (the worker died or lost Redis for longer
   than `lease_ttl_s`) and puts them back in their tier's queue for the next attempt — or, after
-  `max_attempts`, ends them `failed` with `worker_lost`.
+  `max_attempts`, ends them `failed` with `worker_lost`;
+- notices when Redis has lost its data (restarted without persistence, failed over to an empty
+  replica, flushed) by the absence of a mark that never expires, and sends every queued job's
+  message again: the database, not Redis, is the record of which jobs wait. A job whose message
+  survived after all gets two, and workers skip the second.
 
 Every change is a conditional UPDATE fenced by status and attempt, so several schedulers, or a
 scheduler racing a worker that comes back, never move a job twice.
@@ -21,6 +25,7 @@ from typing import Any
 
 import redis
 from celery import Celery
+from sqlalchemy.exc import OperationalError
 
 from core import keys
 from core.events import EventPublisher
@@ -29,7 +34,7 @@ from core.metrics import JOBS_FINISHED, JOBS_REQUEUED
 from core.models import Job, as_utc, utcnow
 from core.settings import Settings
 from core.states import JobStatus
-from scheduler.queues import ENQUEUED_AT_HEADER, enqueue_job
+from scheduler.queues import ENQUEUED_AT_HEADER, enqueue_job, enqueue_jobs
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +46,7 @@ class TickReport:
     expired: list[str] = field(default_factory=list)
     requeued: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    resent: int = 0
 
 
 class Scheduler:
@@ -58,6 +64,7 @@ class Scheduler:
     def tick(self) -> TickReport:
         """Do one round of periodic work."""
         report = TickReport()
+        report.resent = self._resend_if_redis_lost_data()
         now = utcnow()
         for job_id, tier in self.store.expire_overdue(now):
             report.expired.append(job_id)
@@ -70,6 +77,28 @@ class Scheduler:
             )
         self._reap(now - timedelta(seconds=self.settings.lease_ttl_s), report)
         return report
+
+    def _resend_if_redis_lost_data(self) -> int:
+        """Send every queued job's message again if Redis came back empty; how many were sent.
+
+        The mark is set only once every message is out, so a scheduler that dies halfway
+        leaves the whole resend to the next tick or the next scheduler.
+        """
+        if self.redis.exists(keys.DATA_MARK):
+            return 0
+        queued = self.store.queued()
+        if queued:
+            log.warning("Redis has lost its data: sending the %d queued jobs again", len(queued))
+            enqueue_jobs(
+                self.celery,
+                [(job_id, tier) for job_id, tier, _ in queued],
+                [
+                    {ENQUEUED_AT_HEADER: f"{as_utc(created_at).timestamp():.6f}"}
+                    for _, _, created_at in queued
+                ],
+            )
+        self.redis.set(keys.DATA_MARK, utcnow().isoformat())
+        return len(queued)
 
     def _reap(self, started_before: datetime, report: TickReport) -> None:
         candidates = self.store.running(started_before)
@@ -128,13 +157,16 @@ class Scheduler:
         while not stopped.is_set():
             try:
                 report = self.tick()
-                if report.expired or report.requeued or report.failed:
+                if report.expired or report.requeued or report.failed or report.resent:
                     log.info(
-                        "tick: %d expired, %d requeued, %d failed",
+                        "tick: %d expired, %d requeued, %d failed, %d resent",
                         len(report.expired),
                         len(report.requeued),
                         len(report.failed),
+                        report.resent,
                     )
+            except (redis.RedisError, OperationalError) as exc:
+                log.warning("scheduler tick failed, a service is unavailable; retrying: %s", exc)
             except Exception:
                 log.exception("scheduler tick failed; retrying")
             stopped.wait(self.settings.scheduler_interval_s)

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -48,8 +47,33 @@ class ServiceMissing(RuntimeError):
     """A service the tests need is not there; the test command should have started it."""
 
 
+@dataclass
+class RedisServer:
+    """A Redis server for a test session; one the session started itself can be restarted."""
+
+    url: str
+    command: list[str] | None = None
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the server (again, on the same port and with empty data: it persists none)."""
+        assert self.command is not None, "a Redis the tests did not start cannot be restarted"
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL)
+        for _ in range(200):
+            if redis_reachable(self.url):
+                return
+            time.sleep(0.05)
+        raise ServiceMissing("redis-server did not start")
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM) and wait until it has exited."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+
 @contextmanager
-def redis_server(tmp: Path) -> Iterator[str]:
+def redis_server(tmp: Path) -> Iterator[RedisServer]:
     """A Redis server of the test session's own on a free port (so tests may stop it)."""
     binary = shutil.which("redis-server")
     if binary is None:
@@ -57,22 +81,17 @@ def redis_server(tmp: Path) -> Iterator[str]:
         if not redis_reachable(url):
             raise ServiceMissing(f"no redis-server binary and no Redis at {url}")
         redis.Redis.from_url(url).flushdb()
-        yield url
+        yield RedisServer(url)
         return
     port = free_port()
-    process = subprocess.Popen(redis_server_command(binary, port, tmp), stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    server = RedisServer(
+        f"redis://127.0.0.1:{port}/0", command=redis_server_command(binary, port, tmp)
+    )
+    server.start()
     try:
-        for _ in range(100):
-            if redis_reachable(url):
-                break
-            time.sleep(0.05)
-        else:
-            raise ServiceMissing("redis-server did not start")
-        yield url
+        yield server
     finally:
-        process.terminate()
-        process.wait(timeout=10)
+        server.stop()
 
 
 @contextmanager
@@ -261,71 +280,6 @@ def streamed_text(events: list[dict[str, Any]]) -> str:
     attempts = [e["attempt"] for e in events if e["type"] == "status" and "attempt" in e]
     last = max(attempts, default=0)
     return "".join(e["text"] for e in events if e["type"] == "delta" and e["attempt"] == last)
-
-
-@dataclass
-class Span:
-    """One exported span, as the receiver decoded it."""
-
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_span_id: str
-    attributes: dict[str, Any]
-
-
-class OtlpReceiver:
-    """A minimal OTLP/HTTP trace collector: keeps every span posted to /v1/traces."""
-
-    def __init__(self) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        self.spans: list[Span] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                receiver.receive(body)
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def receive(self, body: bytes) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
-
-        request = ExportTraceServiceRequest.FromString(body)
-        for resource_spans in request.resource_spans:
-            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    self.spans.append(
-                        Span(
-                            service=resource.get("service.name", ""),
-                            name=span.name,
-                            trace_id=span.trace_id.hex(),
-                            span_id=span.span_id.hex(),
-                            parent_span_id=span.parent_span_id.hex(),
-                            attributes={
-                                a.key: a.value.string_value or a.value.int_value
-                                for a in span.attributes
-                            },
-                        )
-                    )
-
-    def close(self) -> None:
-        self.server.shutdown()
 
 
 class ExtraWorker:

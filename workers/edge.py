@@ -19,15 +19,22 @@ messages are the same.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+import redis
 from kombu.transport import redis as redis_transport
 from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from core.metrics import JOBS_TAKEN_IN_BULK
+
+log = logging.getLogger(__name__)
+
+_BROKER_GONE = (AttributeError, redis.RedisError)
+"""What kombu's Redis channel raises once its connection is lost or closed under it."""
 
 # KEYS: the lists in polling order, then the unacked hash and its index. ARGV: how many, now.
 # Pops up to ARGV[1] messages, first list first, and records each as unacknowledged the way the
@@ -59,7 +66,16 @@ return taken
 
 
 class EdgeBatchingQoS(redis_transport.QoS):
-    """Skips the unacked bookkeeping round trip for messages the take script recorded."""
+    """Skips the unacked bookkeeping round trip for messages the take script recorded.
+
+    It also survives losing Redis. When the connection drops, kombu closes the channel; it
+    then restores the channel's unacknowledged messages, and later acks the messages of tasks
+    that were running, through that closed channel, whose connection has no server
+    (ConnectionError) or is gone (AttributeError); the stock QoS lets that end the worker. Here
+    such a message stays recorded as unacknowledged in Redis: the visibility restore returns it,
+    and the worker skips it then, its job being final or claimed (if Redis lost it, the
+    scheduler sends its job again if still queued).
+    """
 
     def append(self, message: Any, delivery_tag: str) -> None:
         recorded: set[str] = self.channel.recorded_tags
@@ -68,6 +84,32 @@ class EdgeBatchingQoS(redis_transport.QoS):
             virtual.QoS.append(self, message, delivery_tag)
             return
         super().append(message, delivery_tag)
+
+    def restore_unacked(self, client: Any = None) -> Any:
+        try:
+            return super().restore_unacked(client)
+        except _BROKER_GONE as exc:
+            log.warning("could not restore %d messages: %r", len(self._delivered), exc)
+            self._delivered.clear()
+            return None
+
+    def ack(self, delivery_tag: str) -> None:
+        try:
+            super().ack(delivery_tag)
+        except _BROKER_GONE as exc:
+            log.warning(
+                "could not ack message %s, left to the visibility restore: %r", delivery_tag, exc
+            )
+            virtual.QoS.ack(self, delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        try:
+            super().reject(delivery_tag, requeue=requeue)
+        except _BROKER_GONE as exc:
+            log.warning(
+                "could not reject message %s, left to the visibility restore: %r", delivery_tag, exc
+            )
+            virtual.QoS.ack(self, delivery_tag)
 
 
 class EdgeBatchingChannel(redis_transport.Channel):

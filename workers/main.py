@@ -136,12 +136,13 @@ def run_worker(
     worker_ready.connect(announce, weak=False)
 
     app = make_celery_app(settings)
-    if settings.edge_batch > 1:  # see workers.edge
-        app.conf.broker_transport = "workers.edge:EdgeBatchingTransport"
-        app.conf.broker_transport_options = {
-            **app.conf.broker_transport_options,
-            "edge_batch": settings.edge_batch,
-        }
+    # Bulk takes (see workers.edge; edge_batch 1 takes one message at a time, as kombu does),
+    # and a channel that survives losing Redis.
+    app.conf.broker_transport = "workers.edge:EdgeBatchingTransport"
+    app.conf.broker_transport_options = {
+        **app.conf.broker_transport_options,
+        "edge_batch": settings.edge_batch,
+    }
     register_tasks(app, runner)
     worker = app.Worker(
         hostname=node_name,

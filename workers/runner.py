@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import redis
+from sqlalchemy.exc import OperationalError
 
 from core import keys
 from core.events import EventPublisher
@@ -48,6 +49,9 @@ STATS_TTL_S = 10
 """A worker whose heartbeat stops drops off the live list after this long."""
 
 MAX_START_BATCH = 256
+START_RETRY_MAX_DELAY_S = 5.0
+_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, OperationalError)
+"""Errors of a service that is out for now; starting again later may work."""
 
 
 @dataclass
@@ -125,19 +129,36 @@ class JobRunner:
 
     def run(self, job_id: str) -> JobStatus | None:
         """Run the job if it still needs running; returns its final status, or None if skipped."""
-        ticket: Future[_StartOutcome] = Future()
-        self._to_start.put((job_id, ticket))
-        started = ticket.result()
+        started = self._start(job_id)
         if not isinstance(started, _Started):
             return started
         job = started.job
+        request_id = self._running[job.id]
         try:
             result = started.generation.result()
         finally:
-            self._running.pop(job.id, None)
+            # A later attempt of the same job may have started here meanwhile: leave it be.
+            if self._running.get(job.id) == request_id:
+                del self._running[job.id]
             with self.stats.lock:
                 self.stats.in_flight -= 1
         return self.outcomes.record(job, result, started.token)
+
+    def _start(self, job_id: str) -> _StartOutcome:
+        """Hand the job to the starter; while Redis or the database is out, try again.
+
+        The message stays unacknowledged meanwhile, so the job is neither lost nor run twice.
+        """
+        delay_s = 0.2
+        while True:
+            ticket: Future[_StartOutcome] = Future()
+            self._to_start.put((job_id, ticket))
+            try:
+                return ticket.result()
+            except _UNAVAILABLE as exc:
+                log.warning("job %s: could not start, retrying in %.1fs: %s", job_id, delay_s, exc)
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 2, START_RETRY_MAX_DELAY_S)
 
     def _start_loop(self) -> None:
         while True:
@@ -150,7 +171,10 @@ class JobRunner:
             try:
                 answers = self._start_batch([job_id for job_id, _ in batch])
             except Exception as exc:  # every job of the batch hears about it
-                log.exception("could not start a batch of %d jobs", len(batch))
+                if isinstance(exc, _UNAVAILABLE):
+                    log.warning("could not start a batch of %d jobs: %s", len(batch), exc)
+                else:
+                    log.exception("could not start a batch of %d jobs", len(batch))
                 for _, ticket in batch:
                     ticket.set_exception(exc)
                 continue
@@ -173,22 +197,23 @@ class JobRunner:
             pipe.set(keys.job_lease(job_id), tokens[job_id], nx=True, px=lease_ms)
             pipe.exists(keys.job_cancel_flag(job_id))
         replies = pipe.execute()
-        to_start = []
-        for index, job_id in enumerate(live):
-            claimed, cancel_requested = replies[2 * index], replies[2 * index + 1]
-            if not claimed:
-                continue  # a live worker is running it
-            ended = self._end_without_engine(jobs[job_id], bool(cancel_requested))
-            if ended is not None:
-                answers[job_id] = ended
+        # Claimed here (a live worker holds the others), and whether a cancel was asked for.
+        claimed = {
+            job_id: bool(replies[2 * index + 1])
+            for index, job_id in enumerate(live)
+            if replies[2 * index]
+        }
+        try:
+            started = self._start_claimed(jobs, claimed, answers)
+        except Exception:
+            # Nothing started: free the leases, or a retry would find the jobs "running".
+            for job_id in claimed:
                 self._release_lease(job_id, tokens[job_id])
-            else:
-                to_start.append(job_id)
-        started = {job.id: job for job in self.store.start_attempts(to_start, self.worker_name)}
+            raise
         for job in started.values():
             observe_start(job.tier, job.created_at, job.started_at or job.created_at)
-        for job_id in to_start:
-            if job_id not in started:  # ended meanwhile
+        for job_id in claimed:
+            if job_id not in started:  # ended without the engine, or meanwhile
                 self._release_lease(job_id, tokens[job_id])
         # Announced before they are submitted, so a job's running event precedes its deltas.
         self._announce_starts(list(started.values()))
@@ -198,6 +223,19 @@ class JobRunner:
         with self.stats.lock:
             self.stats.skipped += len(ids) - len(answers) + (len(job_ids) - len(ids))
         return answers
+
+    def _start_claimed(
+        self, jobs: dict[str, Job], claimed: dict[str, bool], answers: dict[str, _StartOutcome]
+    ) -> dict[str, Job]:
+        """End the claimed jobs that must not run (into `answers`); start the others."""
+        to_start = []
+        for job_id, cancel_requested in claimed.items():
+            ended = self._end_without_engine(jobs[job_id], cancel_requested)
+            if ended is not None:
+                answers[job_id] = ended
+            else:
+                to_start.append(job_id)
+        return {job.id: job for job in self.store.start_attempts(to_start, self.worker_name)}
 
     def _end_without_engine(self, job: Job, cancel_requested: bool) -> JobStatus | None:
         """Cancel or expire a claimed job that must not run; None if it should start."""

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from inferq.local import free_port
+from tests.otlp import OtlpReceiver
 from tests.support import (
     WORKER_CONCURRENCY,
-    OtlpReceiver,
+    RedisServer,
     Stack,
     postgres_database,
     redis_server,
@@ -23,10 +24,16 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Redis server owned by this test session."""
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
+def redis_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A Redis server owned by this test session (the fault tests restart it)."""
+    with redis_server(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_service: RedisServer) -> str:
+    """Where this test session's Redis answers."""
+    return redis_service.url
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])

@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from core.tiers import Tier
 from inferq.local import free_port
-from tests.support import FLOWER_AUTH, OtlpReceiver, Stack, wait_final
+from tests.otlp import OtlpReceiver
+from tests.support import FLOWER_AUTH, Stack, wait_final
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

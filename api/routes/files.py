@@ -23,8 +23,8 @@ from core.models import StoredFile
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=COMMON_ERRORS)
 
-UPLOAD_PURPOSES = ("batch", "user_data")
-"""The purposes a client may upload files for."""
+UploadPurpose = Literal["batch", "user_data"]
+"""The purposes a client may upload files for (others are 400, and the document says so)."""
 
 MAX_FILENAME_CHARS = 400
 
@@ -68,14 +68,9 @@ async def upload_file(
     principal: PrincipalDep,
     services: ServicesDep,
     file: Annotated[UploadFile, File(description="The file; for batches, JSON Lines.")],
-    purpose: Annotated[str, Form(description="What the file is for: 'batch' or 'user_data'.")],
+    purpose: Annotated[UploadPurpose, Form(description="What the file is for.")],
 ) -> dict[str, Any]:
     """Store an uploaded file (multipart: `file`, `purpose`) for the caller."""
-    if purpose not in UPLOAD_PURPOSES:
-        raise InvalidRequest(
-            f"purpose '{purpose}' is not supported; use one of: {', '.join(UPLOAD_PURPOSES)}.",
-            param="purpose",
-        )
     content = await file.read()
     # A NUL is no use in a name, and PostgreSQL cannot store one in text.
     filename = (file.filename or "upload").replace("\x00", "")[:MAX_FILENAME_CHARS] or "upload"

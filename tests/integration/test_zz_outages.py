@@ -1,5 +1,8 @@
 """Outages of the services inferq stands on, under load: every accepted job still ends once.
 
+Named to run last of the integration tests on each database: the Redis restart empties the
+session's Redis under the shared stack, and nothing after it should depend on what it held.
+
 - Redis restart: the test session's own Redis server is stopped while jobs queue and run, and
   started again empty (it persists nothing, the harshest case). The API answers 503 meanwhile;
   the API, worker and scheduler recover without being restarted, and the scheduler puts the
@@ -114,6 +117,7 @@ def test_redis_restart_under_load_loses_nothing(stack: Stack, redis_service: Red
             time.sleep(OUTAGE_S)
         finally:
             redis_service.start()
+            stack.redis.connection_pool.disconnect()  # the test's own connections went stale
         accepted += [
             _submit_after_outage(stack, client, f"After the restart, {i}.") for i in range(4)
         ]

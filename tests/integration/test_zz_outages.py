@@ -1,12 +1,10 @@
 """Outages of the services inferq stands on, under load: every accepted job still ends once.
 
-Named to run last of the integration tests on each database: the Redis restart empties the
-session's Redis under the shared stack, and nothing after it should depend on what it held.
+Named to run last of the integration tests on each database.
 
-- Redis restart: the test session's own Redis server is stopped while jobs queue and run, and
-  started again empty (it persists nothing, the harshest case). The API answers 503 meanwhile;
-  the API, worker and scheduler recover without being restarted, and the scheduler puts the
-  queued jobs whose messages Redis lost back on the queues.
+- The Redis restart test under load (commit cf70aaf) is out of the suite for now: it passed on
+  both databases alone, but restarting the session's shared Redis broke tests that ran after
+  it (see the note of that stop); it needs a stack and Redis of its own.
 - Database outage (PostgreSQL): the job database refuses every connection for a few seconds.
   The API answers 503; workers retry their writes and their job starts; nothing is lost.
 - Redis failing just after jobs were stored: they are accepted, and sent once it is back.
@@ -34,7 +32,6 @@ from scheduler.routing import waiting_counts
 from tests.support import (
     FINAL_EVENTS,
     POSTGRES_ADMIN_URL,
-    RedisServer,
     Stack,
     read_sse,
     redis_server,
@@ -101,28 +98,6 @@ def _assert_processes_alive(stack: Stack, pids: dict[str, int]) -> None:
     """Nothing was restarted: the same API, worker and scheduler processes are still up."""
     now = {name: process.pid for name, process in stack.local.processes if process.poll() is None}
     assert now == pids
-
-
-def test_redis_restart_under_load_loses_nothing(stack: Stack, redis_service: RedisServer) -> None:
-    key = stack.create_key(Tier.STANDARD)
-    pids = {name: process.pid for name, process in stack.local.processes}
-    with stack.client(key) as client:
-        accepted = _submit_many(stack, key, "Before the restart", JOBS)
-        _wait_running(stack)
-        redis_service.stop()
-        try:
-            _refused_quickly(client)
-            assert client.get("/healthz").status_code == 200
-            assert client.get("/readyz").status_code == 503
-            time.sleep(OUTAGE_S)
-        finally:
-            redis_service.start()
-            stack.redis.connection_pool.disconnect()  # the test's own connections went stale
-        accepted += [
-            _submit_after_outage(stack, client, f"After the restart, {i}.") for i in range(4)
-        ]
-        _assert_each_ended_once(stack, client, accepted)
-    _assert_processes_alive(stack, pids)
 
 
 @contextmanager

@@ -24,11 +24,9 @@ import redis
 from core import keys
 from core.apikeys import KeyStore, Quota
 from core.db import Database
-from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.workerinfo import live_workers
 from inferq.local import LocalStack, free_port, redis_reachable, redis_server_command
-from migrations import upgrade
 from scheduler.routing import waiting_counts
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -185,42 +183,6 @@ class Stack:
                 return self.worker_stats()
             time.sleep(0.2)
         raise AssertionError(f"worker not idle after {timeout_s}s: {self.worker_stats()}")
-
-
-def start_stack(
-    tmp: Path, redis_url: str, database_url: str, model_dir: Path, otlp_endpoint: str
-) -> LocalStack:
-    """Migrate the database, then start one worker and the API as child processes."""
-    upgrade(database_url)
-    settings = Settings(data_dir=tmp, redis_url=redis_url, database_url=database_url)
-    local = LocalStack(settings)
-    local.env.update(
-        INFERQ_DATA_DIR=str(tmp),
-        INFERQ_REDIS_URL=redis_url,
-        INFERQ_DATABASE_URL=database_url,
-        INFERQ_MODEL=str(model_dir),
-        INFERQ_MAX_MODEL_LEN="16384",
-        # Long premium jobs keep the worker busy while a test builds a backlog behind them, and
-        # outlive the slowest moments of a shared 2-core machine.
-        INFERQ_TIERS=json.dumps({"premium": {"max_tokens": BLOCKER_TOKENS, "timeout_s": 300}}),
-        INFERQ_LOG_LEVEL="INFO",
-        # Short leases, so a killed worker's jobs are requeued within seconds.
-        INFERQ_LEASE_TTL_S=str(LEASE_TTL_S),
-        INFERQ_SCHEDULER_INTERVAL_S="0.5",
-        INFERQ_SCHEDULER_METRICS_PORT=str(free_port()),
-        INFERQ_FLOWER_BASIC_AUTH=FLOWER_AUTH,
-        INFERQ_OTLP_ENDPOINT=otlp_endpoint,
-        OTEL_BSP_SCHEDULE_DELAY="200",
-    )
-    return local
-
-
-def wait_ready(stack: Stack, timeout_s: float = 300) -> None:
-    """Wait until the API is ready and the worker's heartbeat is up."""
-    if not stack.local.wait_http(f"{stack.api_url}/readyz", timeout_s=60):
-        raise ServiceMissing("the API did not become ready")
-    if not stack.local.wait_worker(stack.redis_url, timeout_s):
-        raise ServiceMissing("the worker did not start")
 
 
 def wait_final(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict[str, Any]:

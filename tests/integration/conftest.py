@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from inferq.local import free_port
 from tests.otlp import OtlpReceiver
-from tests.support import (
-    WORKER_CONCURRENCY,
-    RedisServer,
-    Stack,
-    postgres_database,
-    redis_server,
-    start_stack,
-    wait_ready,
-)
+from tests.stacks import running_stack
+from tests.support import RedisServer, Stack, postgres_database, redis_server
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="session")
 def redis_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A Redis server owned by this test session (the fault tests restart it)."""
+    """A Redis server owned by this test session, on a free port."""
     with redis_server(tmp_path_factory.mktemp("redis")) as server:
         yield server
 
@@ -64,45 +55,7 @@ def stack(
     otlp: OtlpReceiver,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
-    """API and worker processes on this session's Redis and the current database."""
-    import redis as redis_lib
-
-    redis_lib.Redis.from_url(redis_url).flushdb()
+    """API, worker and scheduler processes on this session's Redis and the current database."""
     tmp = tmp_path_factory.mktemp("stack")
-    local = start_stack(tmp, redis_url, database_url, model_dir, otlp.url)
-    port, metrics_port = free_port(), free_port()
-    local.start(
-        "worker",
-        [
-            sys.executable,
-            "-m",
-            "inferq",
-            "worker",
-            "--device",
-            "cpu",
-            "--concurrency",
-            str(WORKER_CONCURRENCY),
-            "--metrics-port",
-            str(metrics_port),
-        ],
-    )
-    local.start("api", [sys.executable, "-m", "inferq", "api", "--port", str(port)])
-    local.start("scheduler", [sys.executable, "-m", "inferq", "scheduler"])
-    running = Stack(
-        api_url=f"http://127.0.0.1:{port}",
-        redis_url=redis_url,
-        database_url=database_url,
-        model_dir=model_dir,
-        local=local,
-        worker_metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
-    )
-    try:
-        wait_ready(running)
-        yield running
-    finally:
-        local.stop()
-        for name in ("worker", "api", "scheduler"):
-            log = tmp / "logs" / f"{name}.log"
-            if log.exists():
-                tail = log.read_text(errors="replace").splitlines()[-15:]
-                sys.stderr.write(f"\n--- {name}.log (tail) ---\n" + "\n".join(tail) + "\n")
+    with running_stack(tmp, redis_url, database_url, model_dir, otlp.url) as stack:
+        yield stack

@@ -2,9 +2,11 @@
 
 Named to run last of the integration tests on each database.
 
-- The Redis restart test under load (commit cf70aaf) is out of the suite for now: it passed on
-  both databases alone, but restarting the session's shared Redis broke tests that ran after
-  it (see the note of that stop); it needs a stack and Redis of its own.
+- Redis restart: a Redis server of the test's own is stopped while jobs queue and run, and
+  started again empty (it persists nothing, the harshest case). The API answers 503 meanwhile;
+  the API, worker and scheduler recover without being restarted, and the scheduler puts the
+  queued jobs whose messages Redis lost back on the queues. The test runs a stack of its own,
+  on a fresh database, so no other test shares the Redis it empties.
 - Database outage (PostgreSQL): the job database refuses every connection for a few seconds.
   The API answers 503; workers retry their writes and their job starts; nothing is lost.
 - Redis failing just after jobs were stored: they are accepted, and sent once it is back.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +32,16 @@ from core.tiers import Tier
 from scheduler.dispatch import Dispatcher, QueuedJob
 from scheduler.queues import make_celery_app
 from scheduler.routing import waiting_counts
+from tests.otlp import OtlpReceiver
+from tests.stacks import running_stack
 from tests.support import (
+    BLOCKER_TOKENS,
     FINAL_EVENTS,
     POSTGRES_ADMIN_URL,
+    WORKER_CONCURRENCY,
+    RedisServer,
     Stack,
+    postgres_database,
     read_sse,
     redis_server,
     wait_final,
@@ -98,6 +107,89 @@ def _assert_processes_alive(stack: Stack, pids: dict[str, int]) -> None:
     """Nothing was restarted: the same API, worker and scheduler processes are still up."""
     now = {name: process.pid for name, process in stack.local.processes if process.poll() is None}
     assert now == pids
+
+
+@contextmanager
+def _database(kind: str, tmp: Path) -> Iterator[str]:
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp / 'inferq.db'}"
+    else:
+        with postgres_database() as url:
+            yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def own_stack(
+    request: pytest.FixtureRequest, tmp_path: Path, model_dir: Path, otlp: OtlpReceiver
+) -> Iterator[tuple[Stack, RedisServer]]:
+    """A stack on a Redis server and a database of its own, which the test may take away."""
+    (tmp_path / "stack").mkdir()
+    with (
+        redis_server(tmp_path) as server,
+        _database(request.param, tmp_path) as database_url,
+        running_stack(tmp_path / "stack", server.url, database_url, model_dir, otlp.url) as stack,
+    ):
+        yield stack, server
+
+
+def test_redis_restart_under_load_loses_nothing(own_stack: tuple[Stack, RedisServer]) -> None:
+    stack, redis_service = own_stack
+    key = stack.create_key(Tier.STANDARD)
+    pids = {name: process.pid for name, process in stack.local.processes}
+    with stack.client(key) as client:
+        accepted = _submit_many(stack, key, "Before the restart", JOBS)
+        _wait_running(stack)
+        redis_service.stop()
+        try:
+            _refused_quickly(client)
+            assert client.get("/healthz").status_code == 200
+            assert client.get("/readyz").status_code == 503
+            time.sleep(OUTAGE_S)
+        finally:
+            redis_service.start()
+            stack.redis.connection_pool.disconnect()  # the test's own connections went stale
+        accepted += [
+            _submit_after_outage(stack, client, f"After the restart, {i}.") for i in range(4)
+        ]
+        _assert_each_ended_once(stack, client, accepted)
+    _assert_processes_alive(stack, pids)
+    _assert_premium_still_goes_first(stack)
+
+
+def _assert_premium_still_goes_first(stack: Stack) -> None:
+    """The worker that lived through the outage still takes a premium job before basic ones.
+
+    Its slots are filled with long jobs, a backlog of basic jobs and then a premium one wait,
+    and the long jobs are cancelled one by one: each freed slot takes the best job waiting.
+    """
+    premium_key, basic_key = stack.create_key(Tier.PREMIUM), stack.create_key(Tier.BASIC)
+    long = {"max_tokens": BLOCKER_TOKENS, "ignore_eos": True}
+    blockers = [
+        stack.submit(premium_key, prompt=f"Blocker {i}", **long) for i in range(WORKER_CONCURRENCY)
+    ]
+    _wait_full(stack)
+    short = {"max_tokens": 16, "ignore_eos": True}
+    basic = [stack.submit(basic_key, prompt=f"Basic {i}", **short) for i in range(12)]
+    premium = stack.submit(premium_key, prompt="Premium", **short)
+    with stack.client(premium_key) as client:
+        for job in blockers:
+            assert client.delete(f"/v1/jobs/{job['id']}").status_code in (200, 202, 409)
+        premium_start = _started(wait_final(client, premium["id"]))
+    with stack.client(basic_key) as client:
+        basic_starts = [_started(wait_final(client, job["id"])) for job in basic]
+    assert sum(start < premium_start for start in basic_starts) <= 1, (premium_start, basic_starts)
+
+
+def _wait_full(stack: Stack, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while stack.worker_stats()["in_flight"] < WORKER_CONCURRENCY:
+        assert time.monotonic() < deadline, f"the worker did not fill: {stack.worker_stats()}"
+        time.sleep(0.2)
+
+
+def _started(job: dict[str, Any]) -> datetime:
+    assert job["status"] == "succeeded", job
+    return datetime.fromisoformat(job["created_at"]) + timedelta(seconds=job["timings"]["queue_s"])
 
 
 @contextmanager

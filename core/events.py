@@ -35,7 +35,10 @@ redis.call('XADD', KEYS[1], '0-' .. seq, 'e', payload)
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('PUBLISH', KEYS[2], payload)
 if ARGV[3] == '1' then
-  -- a final event: the job no longer counts against its key's concurrent jobs
+  -- a final event: it wakes the long polls, which wait on a stream of their own so that the
+  -- job's deltas do not wake them; the job no longer counts against its key's concurrent jobs
+  redis.call('XADD', KEYS[4], '*', 'e', payload)
+  redis.call('EXPIRE', KEYS[4], ARGV[2])
   local active = redis.call('GET', KEYS[3])
   if active then
     redis.call('ZREM', active, ARGV[4])
@@ -55,6 +58,7 @@ def _script_keys(job_id: str) -> list[str]:
         keys.job_event_stream(job_id),
         keys.job_events_channel(job_id),
         keys.job_quota_set(job_id),
+        keys.job_final_stream(job_id),
     ]
 
 
@@ -114,19 +118,19 @@ class AsyncEventPublisher:
 
 
 async def wait_for_final_event(client: aioredis.Redis, job_id: str, timeout_s: float) -> bool:
-    """Block until the job's stream holds a final event, or the timeout passes."""
-    stream = keys.job_event_stream(job_id)
-    last_id = "0-0"
+    """Block until the job has published its final event, or the timeout passes.
+
+    It blocks on the job's final-event stream, which nothing else is written to: a long poll
+    wakes once, not at every delta of a generating job.
+    """
+    stream = keys.job_final_stream(job_id)
     remaining_ms = max(1, int(timeout_s * 1000))
     deadline = time.monotonic() + timeout_s
     while remaining_ms > 0:
         # Short blocks keep each read well inside the client's socket timeout.
         block_ms = min(remaining_ms, _MAX_BLOCK_MS)
-        reply = await client.xread({stream: last_id}, block=block_ms, count=100)
-        for event_id, event in _entries(reply):
-            last_id = event_id
-            if is_final(event):
-                return True
+        if await client.xread({stream: "0-0"}, block=block_ms, count=1):
+            return True
         remaining_ms = int((deadline - time.monotonic()) * 1000)
     return False
 

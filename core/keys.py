@@ -31,6 +31,11 @@ def job_event_stream(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:stream"
 
 
+def job_final_stream(job_id: str) -> str:
+    """Redis stream holding only a job's final event: what long polls block on."""
+    return f"{PREFIX}:job:{job_id}:final"
+
+
 def job_cancel_flag(job_id: str) -> str:
     """Set when a cancel was asked for, so a worker that is about to start the job sees it."""
     return f"{PREFIX}:job:{job_id}:cancel"

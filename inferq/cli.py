@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -78,7 +79,6 @@ def worker(
 def scheduler() -> None:
     """Run the periodic work: dispatch held jobs fairly, age waiting ones, expire overdue ones,
     requeue jobs of lost workers, purge finished jobs past the retention period."""
-    import signal
     import threading
 
     import redis
@@ -317,6 +317,10 @@ def up(port: int, flower_port: int) -> None:
 
     settings = _settings()
     stack = LocalStack(settings)
+    # Ctrl-C or SIGTERM stops everything, even where SIGINT came in ignored (a process started
+    # in the background by a non-interactive shell inherits that, and Python keeps it).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     try:
         redis_url = stack.ensure_redis()
         stack.env["INFERQ_REDIS_URL"] = redis_url
@@ -360,6 +364,10 @@ def up(port: int, flower_port: int) -> None:
         click.echo("\nstopping …")
     finally:
         stack.stop()
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _redacted(url: str) -> str:

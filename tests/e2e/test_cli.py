@@ -54,6 +54,7 @@ def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_d
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,  # its own process group, so a failed test can clean it all up
     )
     output: list[str] = []
     try:
@@ -118,7 +119,11 @@ def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_d
         assert status == "running"
     finally:
         up.send_signal(signal.SIGINT)
-        code = up.wait(timeout=90)
+        try:
+            code = up.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            raise
     assert code == 0
     # The worker's warm shutdown let the running job finish before the engine went down.
     stored = JobStore(Database(f"sqlite:///{tmp_path / '.inferq' / 'inferq.db'}")).get(

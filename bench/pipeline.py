@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -144,26 +145,29 @@ async def _wait_final(session: aiohttp.ClientSession, job_id: str) -> tuple[dict
 
 
 async def _submit_and_wait(
-    session: aiohttp.ClientSession, prompt: str, workload: Workload
+    submit: aiohttp.ClientSession, poll: aiohttp.ClientSession, prompt: str, workload: Workload
 ) -> tuple[dict[str, Any], float, float]:
     """What one user does: submit, then long-poll until final; returns (job, posted, final)."""
-    job = await _submit(session, prompt, workload)
+    job = await _submit(submit, prompt, workload)
     posted = time.perf_counter()
-    final, done = await _wait_final(session, job["id"])
+    final, done = await _wait_final(poll, job["id"])
     return final, posted, done
 
 
 async def _submit_batch_and_wait(
-    session: aiohttp.ClientSession, prompts: list[str], workload: Workload
+    submit: aiohttp.ClientSession,
+    poll: aiohttp.ClientSession,
+    prompts: list[str],
+    workload: Workload,
 ) -> list[tuple[dict[str, Any], float, float]]:
     """Submit several jobs in one `POST /v1/jobs/batch`, then long-poll each until final."""
     body = {"jobs": [{"prompt": p, **workload.sampling()} for p in prompts]}
-    async with session.post("/v1/jobs/batch", json=body) as response:
+    async with submit.post("/v1/jobs/batch", json=body) as response:
         if response.status != 202:
             raise RuntimeError(f"POST /v1/jobs/batch answered {response.status}")
         jobs = (await response.json())["data"]
     posted = time.perf_counter()
-    finals = await asyncio.gather(*(_wait_final(session, job["id"]) for job in jobs))
+    finals = await asyncio.gather(*(_wait_final(poll, job["id"]) for job in jobs))
     return [(job, posted, done) for job, done in finals]
 
 
@@ -172,27 +176,40 @@ async def drive_pipeline(
 ) -> ModeResult:
     """One warm-up job, then every job submitted concurrently, each long-polled until final.
 
-    With `batch_size`, jobs go in `POST /v1/jobs/batch` requests of that many, sent concurrently.
+    Submissions share `CONNECTIONS` connections; each waiting job's long poll has a connection
+    of its own, as each user would (polls that queued for a shared connection would hold back
+    submissions, and see jobs end late). With `batch_size`, jobs go in `POST /v1/jobs/batch`
+    requests of that many, sent concurrently.
     """
     # aiohttp rather than httpx: on a 2-core host httpx's per-request CPU cost took more of the
     # machine than the API itself, and the client is not what is being measured.
-    connector = aiohttp.TCPConnector(limit=CONNECTIONS)
     timeout = aiohttp.ClientTimeout(total=LONG_POLL_S + 30.0)
-    headers = {"Authorization": f"Bearer {key}"}
-    async with aiohttp.ClientSession(
-        base_url=api_url, headers=headers, connector=connector, timeout=timeout
-    ) as session:
-        warmup = await _submit(session, "Warm-up: say something.", workload)
-        await _wait_final(session, warmup["id"])
+    options: dict[str, Any] = {
+        "base_url": api_url,
+        "headers": {"Authorization": f"Bearer {key}"},
+        "timeout": timeout,
+    }
+    async with (
+        aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=CONNECTIONS), **options
+        ) as submit,
+        aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=workload.jobs), **options
+        ) as poll,
+    ):
+        warmup = await _submit(submit, "Warm-up: say something.", workload)
+        await _wait_final(poll, warmup["id"])
 
         t0 = time.perf_counter()
         prompts = workload.prompts()
         if batch_size is None:
-            runs = await asyncio.gather(*(_submit_and_wait(session, p, workload) for p in prompts))
+            runs = await asyncio.gather(
+                *(_submit_and_wait(submit, poll, p, workload) for p in prompts)
+            )
         else:
             chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
             batches = await asyncio.gather(
-                *(_submit_batch_and_wait(session, chunk, workload) for chunk in chunks)
+                *(_submit_batch_and_wait(submit, poll, chunk, workload) for chunk in chunks)
             )
             runs = [run for batch in batches for run in batch]
         submit_phase_s = max(posted for _, posted, _ in runs) - t0
@@ -258,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     from workers.devices import DeviceSpec, pin_devices
 
     pin_devices(DeviceSpec("cpu"))  # before torch or vllm is imported, as the worker does
+    # Throughput is measured, not deadlines: a slow host must not time the jobs out (premium's
+    # 30 s would end 256 x 512 tokens on a 2-core machine). The children inherit this too.
+    os.environ["INFERQ_TIERS"] = json.dumps({"premium": {"timeout_s": JOB_DEADLINE_S}})
 
     from inferq.local import free_port
     from workers.localmodel import init_local_model, is_model_dir
@@ -281,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Python {machine['python']}, {machine['vllm']}\n"
         f"workload: {workload.jobs} jobs x {workload.max_tokens} tokens, ignore_eos, "
         f"temperature {workload.temperature:g}; max_num_seqs {settings.max_num_seqs}, "
-        f"worker concurrency {settings.worker_concurrency}, {CONNECTIONS} HTTP connections\n"
+        f"worker concurrency {settings.worker_concurrency}; {CONNECTIONS} HTTP connections "
+        "for submissions, one per long poll\n"
         f"model   : {settings.model_path}\n",
         flush=True,
     )
@@ -299,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept {work_dir} (logs under logs/)", file=sys.stderr)
 
     results = [engine, *pipelines]
+    if not engine.succeeded:
+        print(format_table(results))
+        raise SystemExit("the engine alone finished no job; nothing to compare with")
     ratios = {p.mode: p.tokens_per_s / engine.tokens_per_s for p in pipelines}
     added_ttft_ms = {
         p.mode: (percentile(p.ttft_s, 50) - percentile(engine.ttft_s, 50)) * 1000 for p in pipelines

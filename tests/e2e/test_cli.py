@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +17,12 @@ import httpx
 
 from core.db import Database
 from core.jobs import JobStore
+from core.models import as_utc
 from inferq.local import free_port
 
 INFERQ = [sys.executable, "-m", "inferq"]
+LONG_JOB_TOKENS = 4000
+"""A few seconds of generation on a fast host, ten or more on a slow one."""
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -46,6 +51,8 @@ def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_d
         INFERQ_MODEL=str(model_dir),
         INFERQ_WORKER_METRICS_PORT=str(worker_metrics),
         INFERQ_SCHEDULER_METRICS_PORT=str(free_port()),
+        # Room for a job long enough to be surely running when Ctrl-C comes, on a fast host too.
+        INFERQ_TIERS=json.dumps({"premium": {"max_tokens": LONG_JOB_TOKENS, "timeout_s": 120}}),
     )
     up = subprocess.Popen(
         [*INFERQ, "up", "--port", str(api_port), "--flower-port", str(flower_port)],
@@ -103,21 +110,21 @@ def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_d
         assert flower.status_code in (200, 401)
 
         # A long job is still generating when the user presses Ctrl-C.
-        long_job = httpx.post(
-            f"http://127.0.0.1:{api_port}/v1/jobs",
-            json={"prompt": "Keep going", "max_tokens": 2000, "ignore_eos": True},
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{api_port}",
             headers={"Authorization": f"Bearer {key.group(1)}"},
-        ).json()
-        for _ in range(100):
-            status = httpx.get(
-                f"http://127.0.0.1:{api_port}/v1/jobs/{long_job['id']}",
-                headers={"Authorization": f"Bearer {key.group(1)}"},
-            ).json()["status"]
-            if status == "running":
-                break
-            time.sleep(0.05)
-        assert status == "running"
+            timeout=30,
+        ) as client:
+            body = {"prompt": "Keep going", "max_tokens": LONG_JOB_TOKENS, "ignore_eos": True}
+            long_job = client.post("/v1/jobs", json=body).json()
+            deadline = time.monotonic() + 60
+            status = long_job["status"]
+            while status == "queued" and time.monotonic() < deadline:
+                time.sleep(0.05)
+                status = client.get(f"/v1/jobs/{long_job['id']}").json()["status"]
+        assert status == "running", status
     finally:
+        interrupted_at = datetime.now(UTC)
         up.send_signal(signal.SIGINT)
         try:
             code = up.wait(timeout=90)
@@ -129,8 +136,9 @@ def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_d
     stored = JobStore(Database(f"sqlite:///{tmp_path / '.inferq' / 'inferq.db'}")).get(
         long_job["id"]
     )
-    assert stored is not None
-    assert (stored.status, stored.completion_tokens) == ("succeeded", 2000)
+    assert stored is not None and stored.finished_at is not None
+    assert (stored.status, stored.completion_tokens) == ("succeeded", LONG_JOB_TOKENS)
+    assert as_utc(stored.finished_at) > interrupted_at  # it was still generating at Ctrl-C
     # Ctrl-C stopped the API too.
     try:
         httpx.get(f"http://127.0.0.1:{api_port}/healthz", timeout=2)

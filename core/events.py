@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -27,44 +28,60 @@ import redis.asyncio as aioredis
 from core import keys
 
 # Numbering, storing and publishing happen in one script so that two publishers (the API
-# cancelling a queued job, a worker finishing it) can never give out the same number.
+# cancelling a queued job, a worker finishing it) can never give out the same number. One call
+# publishes any number of events: KEYS holds 4 keys per event, ARGV the TTL and then 3 values per
+# event. A worker publishes a whole engine step's deltas in one call, not one call per job.
 _PUBLISH_SCRIPT = """
-local seq = redis.call('XLEN', KEYS[1]) + 1
-local payload = '{"seq":' .. seq .. ',' .. string.sub(ARGV[1], 2)
-redis.call('XADD', KEYS[1], '0-' .. seq, 'e', payload)
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('PUBLISH', KEYS[2], payload)
-if ARGV[3] == '1' then
-  -- a final event: it wakes the long polls, which wait on a stream of their own so that the
-  -- job's deltas do not wake them; the job no longer counts against its key's concurrent jobs
-  redis.call('XADD', KEYS[4], '*', 'e', payload)
-  redis.call('EXPIRE', KEYS[4], ARGV[2])
-  local active = redis.call('GET', KEYS[3])
-  if active then
-    redis.call('ZREM', active, ARGV[4])
-    redis.call('DEL', KEYS[3])
+local ttl = ARGV[1]
+for i = 0, #KEYS / 4 - 1 do
+  local stream, channel, quota, final = KEYS[4*i+1], KEYS[4*i+2], KEYS[4*i+3], KEYS[4*i+4]
+  local body, is_final, job_id = ARGV[3*i+2], ARGV[3*i+3], ARGV[3*i+4]
+  local seq = redis.call('XLEN', stream) + 1
+  local payload = '{"seq":' .. seq .. ',' .. string.sub(body, 2)
+  redis.call('XADD', stream, '0-' .. seq, 'e', payload)
+  redis.call('EXPIRE', stream, ttl)
+  redis.call('PUBLISH', channel, payload)
+  if is_final == '1' then
+    -- a final event: it wakes the long polls, which wait on a stream of their own so that the
+    -- job's deltas do not wake them; the job no longer counts against its key's concurrent jobs
+    redis.call('XADD', final, '*', 'e', payload)
+    redis.call('EXPIRE', final, ttl)
+    local active = redis.call('GET', quota)
+    if active then
+      redis.call('ZREM', active, job_id)
+      redis.call('DEL', quota)
+    end
   end
 end
-return seq
+return #KEYS / 4
 """
+
+MAX_EVENTS_PER_CALL = 256
+"""Events per script call: Redis runs a script alone, so very long ones would stall others."""
 
 _MAX_BLOCK_MS = 2000
 
 FINAL_EVENT_TYPES = frozenset({"done", "error", "cancelled", "timed_out"})
 
 
-def _script_keys(job_id: str) -> list[str]:
-    return [
-        keys.job_event_stream(job_id),
-        keys.job_events_channel(job_id),
-        keys.job_quota_set(job_id),
-        keys.job_final_stream(job_id),
-    ]
+Event = tuple[str, str, dict[str, Any]]
+"""One event to publish: (job id, type, fields)."""
 
 
-def _script_args(job_id: str, event_type: str, ttl_s: int, fields: dict[str, Any]) -> list[Any]:
-    final = "1" if event_type in FINAL_EVENT_TYPES else "0"
-    return [encode_event(job_id, event_type, **fields), ttl_s, final, job_id]
+def _script_call(events: Sequence[Event], ttl_s: int) -> tuple[list[str], list[Any]]:
+    """The script's keys and arguments for publishing `events` in order."""
+    script_keys: list[str] = []
+    args: list[Any] = [ttl_s]
+    for job_id, event_type, fields in events:
+        script_keys += [
+            keys.job_event_stream(job_id),
+            keys.job_events_channel(job_id),
+            keys.job_quota_set(job_id),
+            keys.job_final_stream(job_id),
+        ]
+        final = "1" if event_type in FINAL_EVENT_TYPES else "0"
+        args += [encode_event(job_id, event_type, **fields), final, job_id]
+    return script_keys, args
 
 
 def encode_event(job_id: str, event_type: str, **fields: Any) -> str:
@@ -94,11 +111,17 @@ class EventPublisher:
         **fields: Any,
     ) -> None:
         """Append one event to the job's stream and publish it (or queue that on a pipeline)."""
-        self._script(
-            keys=_script_keys(job_id),
-            args=_script_args(job_id, event_type, self.ttl_s, fields),
-            client=client,
-        )
+        self.publish_many([(job_id, event_type, fields)], client=client)
+
+    def publish_many(
+        self, events: Sequence[Event], *, client: redis.client.Pipeline | None = None
+    ) -> None:
+        """Publish the events in order, in as few script calls as `MAX_EVENTS_PER_CALL` allows."""
+        for start in range(0, len(events), MAX_EVENTS_PER_CALL):
+            script_keys, args = _script_call(
+                events[start : start + MAX_EVENTS_PER_CALL], self.ttl_s
+            )
+            self._script(keys=script_keys, args=args, client=client)
 
 
 class AsyncEventPublisher:
@@ -111,10 +134,8 @@ class AsyncEventPublisher:
 
     async def publish(self, job_id: str, event_type: str, **fields: Any) -> None:
         """Append one event to the job's stream and publish it."""
-        await self._script(
-            keys=_script_keys(job_id),
-            args=_script_args(job_id, event_type, self.ttl_s, fields),
-        )
+        script_keys, args = _script_call([(job_id, event_type, fields)], self.ttl_s)
+        await self._script(keys=script_keys, args=args)
 
 
 async def wait_for_final_event(client: aioredis.Redis, job_id: str, timeout_s: float) -> bool:

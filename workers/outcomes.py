@@ -20,7 +20,7 @@ import redis
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from core import keys
-from core.events import EventPublisher
+from core.events import Event, EventPublisher
 from core.jobs import JobOutcome, JobStore
 from core.logs import job_fields
 from core.models import Job, utcnow
@@ -130,19 +130,8 @@ class OutcomeRecorder:
                     written[item.job_id] = outcome
         try:
             pipe = self.publisher.client.pipeline(transaction=False)
-            for job_id, outcome in written.items():
-                self.publisher.publish(
-                    job_id,
-                    final_event_type(outcome.status),
-                    client=pipe,
-                    status=outcome.status.value,
-                    finish_reason=outcome.finish_reason,
-                    error_code=outcome.error_code,
-                    usage={
-                        "prompt_tokens": outcome.prompt_tokens,
-                        "completion_tokens": outcome.completion_tokens,
-                    },
-                )
+            finals = [_final_event(job_id, outcome) for job_id, outcome in written.items()]
+            self.publisher.publish_many(finals, client=pipe)
             self._cache_results(pipe, [i for i in batch if i.job_id in written])
             if written:  # the measured capacity that admission control goes by
                 bucket = keys.finished_bucket(int(time.time()) // 10)
@@ -223,6 +212,22 @@ class OutcomeRecorder:
                     error_message=f"The result could not be stored: {type(exc.orig).__name__}.",
                 )
         raise RuntimeError(f"job {job_id}: the database stayed unavailable")
+
+
+def _final_event(job_id: str, outcome: JobOutcome) -> Event:
+    return (
+        job_id,
+        final_event_type(outcome.status),
+        {
+            "status": outcome.status.value,
+            "finish_reason": outcome.finish_reason,
+            "error_code": outcome.error_code,
+            "usage": {
+                "prompt_tokens": outcome.prompt_tokens,
+                "completion_tokens": outcome.completion_tokens,
+            },
+        },
+    )
 
 
 def _outcome(result: GenerationResult) -> JobOutcome:

@@ -290,10 +290,7 @@ class JobRunner:
             self.deltas.publish_events(events)
             return
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for job_id, event_type, fields in events:
-                self.publisher.publish(job_id, event_type, client=pipe, **fields)
-            pipe.execute()
+            self.publisher.publish_many(events)
         except redis.RedisError:  # best effort: the runs go on
             log.warning("could not announce %d job starts", len(jobs), exc_info=True)
 

@@ -12,17 +12,13 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any
 
 import redis
 
-from core.events import EventPublisher
+from core.events import Event, EventPublisher
 from workers.generation import Delta
 
 log = logging.getLogger(__name__)
-
-Event = tuple[str, str, dict[str, Any]]
-"""A job's event other than a delta: (job id, type, fields)."""
 
 
 class DeltaPublisher:
@@ -76,10 +72,7 @@ class DeltaPublisher:
 
     def _publish_events(self, events: list[Event]) -> None:
         try:
-            pipe = self.publisher.client.pipeline(transaction=False)
-            for job_id, event_type, fields in events:
-                self.publisher.publish(job_id, event_type, client=pipe, **fields)
-            pipe.execute()
+            self.publisher.publish_many(events)
         except redis.RedisError:
             log.warning("could not publish %d events", len(events), exc_info=True)
 
@@ -87,19 +80,21 @@ class DeltaPublisher:
         merged = merge_deltas(deltas)
         if not merged:
             return
+        events: list[Event] = [
+            (
+                delta.job_id,
+                "delta",
+                {
+                    "attempt": delta.attempt,
+                    "text": delta.text,
+                    "tokens": delta.tokens,
+                    "at": round(delta.at, 6),
+                },
+            )
+            for delta in merged
+        ]
         try:
-            pipe = self.publisher.client.pipeline(transaction=False)
-            for delta in merged:
-                self.publisher.publish(
-                    delta.job_id,
-                    "delta",
-                    client=pipe,
-                    attempt=delta.attempt,
-                    text=delta.text,
-                    tokens=delta.tokens,
-                    at=round(delta.at, 6),
-                )
-            pipe.execute()
+            self.publisher.publish_many(events)
             self.events_published += len(merged)
         except redis.RedisError:
             # The stored result stays whole; a reader of this stream misses these deltas.

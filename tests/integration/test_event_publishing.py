@@ -1,0 +1,86 @@
+"""Publishing many jobs' events in one script call: each job's stream is as if published alone.
+
+A worker publishes a whole engine step's deltas, and a batch's final events, in one call; this
+checks on a real Redis that numbering, the live channel, the final stream and the quota set
+come out per job exactly as one call per event would leave them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import redis
+
+from core import keys
+from core.events import MAX_EVENTS_PER_CALL, EventPublisher
+from tests.support import redis_server
+
+
+def _events(client: redis.Redis, job_id: str) -> list[dict[str, object]]:
+    entries = client.xrange(keys.job_event_stream(job_id))
+    return [json.loads(fields[b"e"]) for _, fields in entries]
+
+
+def test_one_call_numbers_and_publishes_each_jobs_events_in_order(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        publisher = EventPublisher(client, ttl_s=60)
+        # job_a counts against a key's concurrent jobs until its final event.
+        client.set(keys.job_quota_set("job_a"), "quota:key1")
+        client.zadd("quota:key1", {"job_a": 1, "job_other": 1})
+        publisher.publish("job_a", "status", status="running", attempt=1)
+        listener = client.pubsub()
+        listener.subscribe(keys.job_events_channel("job_a"), keys.job_events_channel("job_b"))
+        assert listener.get_message(timeout=1)  # the two subscribe confirmations
+        assert listener.get_message(timeout=1)
+
+        publisher.publish_many(
+            [
+                ("job_a", "delta", {"attempt": 1, "text": "Hel", "tokens": 3}),
+                ("job_b", "delta", {"attempt": 1, "text": "x", "tokens": 1}),
+                ("job_a", "delta", {"attempt": 1, "text": "lo", "tokens": 2}),
+                ("job_a", "done", {"status": "succeeded"}),
+            ]
+        )
+
+        a_events = _events(client, "job_a")
+        assert [(e["seq"], e["type"]) for e in a_events] == [
+            (1, "status"),
+            (2, "delta"),
+            (3, "delta"),
+            (4, "done"),
+        ]
+        assert "".join(str(e.get("text", "")) for e in a_events) == "Hello"
+        assert [(e["seq"], e["text"]) for e in _events(client, "job_b")] == [(1, "x")]
+        live = []
+        while (message := listener.get_message(timeout=1)) is not None:
+            live.append(json.loads(message["data"]))
+        assert [(e["job_id"], e["seq"]) for e in live] == [
+            ("job_a", 2),
+            ("job_b", 1),
+            ("job_a", 3),
+            ("job_a", 4),
+        ]
+        # Only job_a's final event reached its final stream and left its key's quota set.
+        assert client.xlen(keys.job_final_stream("job_a")) == 1
+        assert not client.exists(keys.job_final_stream("job_b"))
+        assert client.zrange("quota:key1", 0, -1) == [b"job_other"]
+        assert not client.exists(keys.job_quota_set("job_a"))
+        assert 0 < client.ttl(keys.job_event_stream("job_b")) <= 60
+
+
+def test_more_events_than_one_call_takes_are_split_in_order(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        publisher = EventPublisher(client, ttl_s=60)
+        count = MAX_EVENTS_PER_CALL * 2 + 3
+        publisher.publish_many(
+            [
+                ("job_long", "delta", {"attempt": 1, "text": str(i), "tokens": 1})
+                for i in range(count)
+            ]
+        )
+        events = _events(client, "job_long")
+        assert [e["seq"] for e in events] == list(range(1, count + 1))
+        assert [e["text"] for e in events] == [str(i) for i in range(count)]

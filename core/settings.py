@@ -110,6 +110,11 @@ class Settings(BaseSettings):
         default=False,
         description="Send Celery task events (Flower's task pages); costs Redis traffic per job.",
     )
+    engine_metrics: bool = Field(
+        default=True,
+        description="vLLM's per-step statistics: the KV-cache and engine-queue gauges and vLLM's "
+        "own vllm:* metrics; they cost the engine's front end CPU for every token.",
+    )
     tiers: dict[Tier, TierPolicy] = Field(
         default_factory=lambda: dict(DEFAULT_TIER_POLICIES),
         description='Tier policy as JSON, e.g. {"basic": {"priority": 0, ...}}.',

@@ -103,7 +103,7 @@ def run_worker(
         device=spec.kind,
         num_gpus=len(spec.gpus),
         on_deltas=engine.on_deltas,
-        stats_label=node_name,
+        stats_label=node_name if settings.engine_metrics else None,
     )
     vllm.start()
     engine.attach(vllm)

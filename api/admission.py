@@ -2,11 +2,12 @@
 
 The jobs ahead of a new one are those waiting in its tier and every higher tier (the shared
 queues, the workers' own queues of routed jobs, and the jobs held back for fair share). Workers
-count finished jobs in 10-second buckets; the
-best bucket of the last minute is the measured capacity. If the jobs ahead, at that rate, would
-keep the new job waiting past its queue limit, it is refused with 429 `queue_full` and a
-`Retry-After` of the excess, rather than accepted to time out. With no measurement yet (an idle
-or freshly started system), everything is admitted.
+count finished jobs in 10-second buckets; the best bucket of the last minute is the measured
+capacity, if it holds at least `MIN_MEASURED_JOBS` (fewer measure the demand of a quiet system,
+not its capacity). If the jobs ahead, at that rate, would keep the new job waiting past its
+queue limit, it is refused with 429 `queue_full` and a `Retry-After` of the excess, rather than
+accepted to time out. With no measurement (an idle, quiet or freshly started system),
+everything is admitted.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from scheduler.routing import WAITING_SCRIPT, waiting_args
 
 BUCKET_S = 10
 WINDOW_BUCKETS = 6
+MIN_MEASURED_JOBS = 20
+"""Fewer jobs finished in a bucket than this say nothing about capacity."""
 
 
 async def waiting_counts(services: Services) -> dict[Tier, int]:
@@ -34,11 +37,16 @@ async def waiting_counts(services: Services) -> dict[Tier, int]:
 
 
 async def measured_capacity(services: Services) -> float:
-    """Jobs per second the workers finished in the best complete bucket of the last minute."""
+    """Jobs per second the workers finished in the best complete bucket of the last minute.
+
+    0 (not measured) when no bucket holds `MIN_MEASURED_JOBS`: so few jobs measure how little
+    was asked, not what the workers can do. (A warm-up job followed by a batch of 64 once read
+    as 0.1 jobs/s, and the batch was refused as if it would wait 630 s.)
+    """
     current = int(time.time()) // BUCKET_S
     buckets = [keys.finished_bucket(current - i) for i in range(1, WINDOW_BUCKETS + 1)]
-    counts = await services.redis.mget(buckets)
-    return max(int(count or 0) for count in counts) / BUCKET_S
+    best = max(int(count or 0) for count in await services.redis.mget(buckets))
+    return best / BUCKET_S if best >= MIN_MEASURED_JOBS else 0.0
 
 
 async def admit_to_queue(services: Services, batch: list[NewJob]) -> None:

@@ -1,6 +1,9 @@
 """The same jobs through the vLLM engine alone and through the whole inferq pipeline, side by side.
 
-Run: `.venv/bin/python bench/pipeline.py [--jobs 256 --max-tokens 64 --out bench/results]`.
+Run: `.venv/bin/python bench/pipeline.py [--jobs 256 --max-tokens 64 --repeat 3 --out DIR]`.
+
+Each mode runs the workload `--repeat` times on one warm engine (or one running stack) and
+reports its median run: on a shared host, one run of a few seconds can be off by ±20%.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -49,10 +53,10 @@ class Workload:
     max_tokens: int
     temperature: float = 1.0
 
-    def prompts(self) -> list[str]:
-        """One distinct prompt per job."""
+    def prompts(self, run: int = 0) -> list[str]:
+        """One distinct prompt per job, and per run (no run reuses another's cached prefix)."""
         return [
-            f"Question {i}: what is {i} times {i % 7 + 3}, and why? Answer in one line."
+            f"Run {run}, question {i}: what is {i} times {i % 7 + 3}, and why? Answer in one line."
             for i in range(self.jobs)
         ]
 
@@ -65,8 +69,20 @@ def _mark_done(done_at: list[float], index: int, _future: object) -> None:
     done_at[index] = time.perf_counter()
 
 
-def run_engine_alone(settings: Settings, workload: Workload) -> ModeResult:
-    """Every job submitted at once to a VllmEngine in this process; shut down before returning."""
+def median_run(runs: list[ModeResult]) -> ModeResult:
+    """The run with the median throughput; every run's tokens/s goes in its `extra`."""
+    ordered = sorted(runs, key=lambda run: run.tokens_per_s)
+    median = ordered[(len(ordered) - 1) // 2]
+    median.extra["runs_tokens_per_s"] = [round(run.tokens_per_s, 1) for run in runs]
+    return median
+
+
+def run_engine_alone(
+    settings: Settings, workload: Workload, repeat: int = 1, engine_metrics: bool = False
+) -> ModeResult:
+    """Every job submitted at once to a VllmEngine in this process, `repeat` times; the median.
+
+    The engine is shut down before returning."""
     from core.tiers import Tier, engine_priority
     from workers.engine import VllmEngine
     from workers.generation import GenerationRequest
@@ -82,27 +98,39 @@ def run_engine_alone(settings: Settings, workload: Workload) -> ModeResult:
             timeout_s=policy.timeout_s,
         )
 
-    engine = VllmEngine(settings, device="cpu", num_gpus=0)
+    # With engine metrics, the engine keeps the same per-step statistics a worker keeps.
+    engine = VllmEngine(
+        settings, device="cpu", num_gpus=0, stats_label="bench" if engine_metrics else None
+    )
     try:
         started = time.perf_counter()
         engine.start()
         startup_s = time.perf_counter() - started
         engine.submit(request("bench-warmup", "Warm-up: say something.")).result()
-
-        prompts = workload.prompts()
-        submitted_at: list[datetime] = []
-        done_at = [0.0] * len(prompts)
-        futures = []
-        t0 = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            submitted_at.append(datetime.now(UTC))
-            future = engine.submit(request(f"bench-{i}", prompt))
-            future.add_done_callback(partial(_mark_done, done_at, i))
-            futures.append(future)
-        results = [future.result() for future in futures]
-        wall_s = max(done_at) - t0
+        runs = []
+        for run in range(repeat):
+            runs.append(_engine_run(engine, request, workload, run))
+            runs[-1].extra["startup_s"] = round(startup_s, 2)
     finally:
         engine.shutdown()
+    return median_run(runs)
+
+
+def _engine_run(
+    engine: Any, request: Callable[[str, str], Any], workload: Workload, run: int
+) -> ModeResult:
+    prompts = workload.prompts(run)
+    submitted_at: list[datetime] = []
+    done_at = [0.0] * len(prompts)
+    futures = []
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        submitted_at.append(datetime.now(UTC))
+        future = engine.submit(request(f"bench-{run}-{i}", prompt))
+        future.add_done_callback(partial(_mark_done, done_at, i))
+        futures.append(future)
+    results = [future.result() for future in futures]
+    wall_s = max(done_at) - t0
 
     ok = [r for r in results if r.status.value == "succeeded"]
     ttft = [
@@ -118,7 +146,6 @@ def run_engine_alone(settings: Settings, workload: Workload) -> ModeResult:
         wall_s=wall_s,
         ttft_s=ttft,
         latency_s=[t - t0 for t in done_at],
-        extra={"startup_s": round(startup_s, 2)},
     )
 
 
@@ -164,7 +191,8 @@ async def _submit_batch_and_wait(
     body = {"jobs": [{"prompt": p, **workload.sampling()} for p in prompts]}
     async with submit.post("/v1/jobs/batch", json=body) as response:
         if response.status != 202:
-            raise RuntimeError(f"POST /v1/jobs/batch answered {response.status}")
+            detail = await response.text()
+            raise RuntimeError(f"POST /v1/jobs/batch answered {response.status}: {detail}")
         jobs = (await response.json())["data"]
     posted = time.perf_counter()
     finals = await asyncio.gather(*(_wait_final(poll, job["id"]) for job in jobs))
@@ -172,7 +200,7 @@ async def _submit_batch_and_wait(
 
 
 async def drive_pipeline(
-    api_url: str, key: str, workload: Workload, batch_size: int | None = None
+    api_url: str, key: str, workload: Workload, batch_size: int | None = None, run: int = 0
 ) -> ModeResult:
     """One warm-up job, then every job submitted concurrently, each long-polled until final.
 
@@ -201,7 +229,7 @@ async def drive_pipeline(
         await _wait_final(poll, warmup["id"])
 
         t0 = time.perf_counter()
-        prompts = workload.prompts()
+        prompts = workload.prompts(run)
         if batch_size is None:
             runs = await asyncio.gather(
                 *(_submit_and_wait(submit, poll, p, workload) for p in prompts)
@@ -242,13 +270,23 @@ async def drive_pipeline(
     )
 
 
-def run_pipeline(settings: Settings, workload: Workload, api_port: int) -> list[ModeResult]:
-    """Start Redis, the worker and the API; drive them one POST per job, then in batches."""
+def run_pipeline(
+    settings: Settings, workload: Workload, api_port: int, repeat: int = 1
+) -> list[ModeResult]:
+    """Start Redis, the worker and the API; drive them one POST per job, then in batches.
+
+    The two modes take turns, `repeat` times; each reports its median run."""
+    single: list[ModeResult] = []
+    batched: list[ModeResult] = []
     with running_stack(settings, api_port) as (api_url, key, startup_s):
-        results = [
-            asyncio.run(drive_pipeline(api_url, key, workload)),
-            asyncio.run(drive_pipeline(api_url, key, workload, batch_size=BATCH_SIZE)),
-        ]
+        for run in range(repeat):
+            single.append(asyncio.run(drive_pipeline(api_url, key, workload, run=2 * run)))
+            batched.append(
+                asyncio.run(
+                    drive_pipeline(api_url, key, workload, batch_size=BATCH_SIZE, run=2 * run + 1)
+                )
+            )
+    results = [median_run(single), median_run(batched)]
     for result in results:
         result.extra["startup_s"] = round(startup_s, 2)
     return results
@@ -259,6 +297,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--jobs", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--engine-metrics",
+        action="store_true",
+        help="keep vLLM's per-step statistics in both modes (INFERQ_ENGINE_METRICS, on in "
+        "production by default); without it, neither mode keeps them",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs per mode; the median run is reported"
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument(
         "--model", type=Path, default=None, help="default: .inferq/model, else a fresh local model"
@@ -278,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     # Throughput is measured, not deadlines: a slow host must not time the jobs out (premium's
     # 30 s would end 256 x 512 tokens on a 2-core machine). The children inherit this too.
     os.environ["INFERQ_TIERS"] = json.dumps({"premium": {"timeout_s": JOB_DEADLINE_S}})
+    # Like for like: the worker's engine keeps per-step statistics only if the engine alone does.
+    os.environ["INFERQ_ENGINE_METRICS"] = "true" if args.engine_metrics else "false"
 
     from inferq.local import free_port
     from workers.localmodel import init_local_model, is_model_dir
@@ -302,16 +351,18 @@ def main(argv: list[str] | None = None) -> int:
         f"workload: {workload.jobs} jobs x {workload.max_tokens} tokens, ignore_eos, "
         f"temperature {workload.temperature:g}; max_num_seqs {settings.max_num_seqs}, "
         f"worker concurrency {settings.worker_concurrency}; {CONNECTIONS} HTTP connections "
-        "for submissions, one per long poll\n"
+        "for submissions, one per long poll; engine metrics "
+        f"{'on' if args.engine_metrics else 'off'} in both modes; {args.repeat} runs per mode, "
+        "the median reported\n"
         f"model   : {settings.model_path}\n",
         flush=True,
     )
     succeeded = False
     try:
         print("engine alone: starting the engine in this process …", flush=True)
-        engine = run_engine_alone(settings, workload)
+        engine = run_engine_alone(settings, workload, args.repeat, args.engine_metrics)
         print("inferq pipeline: starting redis, worker and API …", flush=True)
-        pipelines = run_pipeline(settings, workload, free_port())
+        pipelines = run_pipeline(settings, workload, free_port(), args.repeat)
         succeeded = True
     finally:
         if succeeded:
@@ -338,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
             f" {added_ttft_ms[pipeline.mode]:.0f} ms; submit phase"
             f" {pipeline.extra['submit_phase_s']:.2f} s; first created → last finished {span:.2f} s"
         )
+    for result in results:
+        runs = ", ".join(f"{value:,.0f}" for value in result.extra["runs_tokens_per_s"])
+        print(f"{result.mode}: tokens/s of each run: {runs}")
     print("(pipeline TTFT is the API's timings.ttft_s: job creation to first token)")
     for result in results:
         if result.succeeded != result.jobs:
@@ -354,11 +408,17 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "created_at": datetime.now(UTC).isoformat(),
         "machine": machine,
-        "workload": {**workload.__dict__, "ignore_eos": True, "connections": CONNECTIONS},
+        "workload": {
+            **workload.__dict__,
+            "ignore_eos": True,
+            "connections": CONNECTIONS,
+            "repeat": args.repeat,
+        },
         "settings": {
             "max_num_seqs": settings.max_num_seqs,
             "worker_concurrency": settings.worker_concurrency,
             "enable_prefix_caching": settings.enable_prefix_caching,
+            "engine_metrics": args.engine_metrics,
         },
         "modes": [result.summary() for result in results],
         "throughput_ratio": {mode: round(r, 4) for mode, r in ratios.items()},

@@ -18,7 +18,7 @@ from tests.support import redis_server
 
 
 def _events(client: redis.Redis, job_id: str) -> list[dict[str, object]]:
-    entries = client.xrange(keys.job_event_stream(job_id))
+    entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(keys.job_event_stream(job_id))  # type: ignore[assignment]
     return [json.loads(fields[b"e"]) for _, fields in entries]
 
 

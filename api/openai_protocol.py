@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from api.errors import describe_validation_error
-from api.schemas import JobCreate
+from api.schemas import JobCreate, StopText
 from core.errors import InvalidRequest, ModelNotFound
 from core.models import Job, as_utc
 from core.states import JobStatus
@@ -60,7 +60,7 @@ class _GenerationRequest(BaseModel):
     max_tokens: int | None = Field(default=None, description="Default and cap from the tier.")
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: StopText | list[StopText] | None = None
     seed: int | None = None
     n: int | None = Field(default=None, description="Choices to make; only 1 is supported.")
     stream: bool | None = False

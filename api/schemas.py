@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,6 +14,9 @@ from core.models import Job, as_utc
 
 NO_NUL = r"^[^\x00]*$"
 """Pattern of a string that names a stored resource: PostgreSQL cannot compare text with a NUL."""
+
+StopText = Annotated[str, Field(min_length=1)]
+"""A stop sequence: the engine refuses an empty one, so the API does first."""
 
 
 class JobCreate(BaseModel):
@@ -27,7 +30,7 @@ class JobCreate(BaseModel):
     )
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = Field(default=None, description="Stop sequence(s).")
+    stop: StopText | list[StopText] | None = Field(default=None, description="Stop sequence(s).")
     seed: int | None = Field(default=None, description="Fixed seed for reproducible sampling.")
     ignore_eos: bool = Field(
         default=False, description="Keep generating past end-of-sequence (benchmarks)."

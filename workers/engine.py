@@ -136,8 +136,9 @@ class VllmEngine:
             result.status = stopped_early
             result.finish_reason = "cancelled"
             return result
-        params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA)
         try:
+            # Inside the try: parameters the engine refuses fail the job, not the task.
+            params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA)
             async with asyncio.timeout(request.timeout_s):
                 stream = self._llm.generate(
                     request.prompt, params, request.request_id, priority=request.priority

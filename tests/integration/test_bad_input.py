@@ -21,6 +21,8 @@ CASES: list[tuple[str, Any, int, str]] = [
     ("prompt is a number", {"prompt": 42}, 400, "invalid_request"),
     ("max_tokens is a string", {"prompt": "x", "max_tokens": "5"}, 400, "invalid_request"),
     ("temperature is a word", {"prompt": "x", "temperature": "hot"}, 400, "invalid_request"),
+    ("an empty stop sequence", {"prompt": "x", "stop": ""}, 400, "invalid_request"),
+    ("an empty stop in a list", {"prompt": "x", "stop": ["end", ""]}, 400, "invalid_request"),
     ("unknown field", {"prompt": "x", "priority": 100}, 400, "invalid_request"),
     ("not an object", ["x"], 400, "invalid_request"),
 ]

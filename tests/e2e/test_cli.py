@@ -21,8 +21,8 @@ from core.models import as_utc
 from inferq.local import free_port
 
 INFERQ = [sys.executable, "-m", "inferq"]
-LONG_JOB_TOKENS = 4000
-"""A few seconds of generation on a fast host, ten or more on a slow one."""
+LONG_JOB_TOKENS = 12000
+"""About 10 s of generation on a fast host (1,200 tokens/s for one job), 35 s on a slow one."""
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:

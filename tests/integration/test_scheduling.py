@@ -77,11 +77,14 @@ def test_under_continuous_premium_load_a_basic_job_still_finishes(stack: Stack) 
     stop = threading.Event()
 
     def keep_premium_queue_full() -> None:
+        # Jobs of one wave start together and end together, freeing every slot at once: the
+        # queue holds more than a whole wave, so the take that refills the slots leaves premium
+        # jobs waiting (with less, a basic job got a freed slot at once, without aging).
         while not stop.is_set():
             try:
-                if stack.queue_lengths()["premium"] < 24:
+                if stack.queue_lengths()["premium"] < 2 * WORKER_CONCURRENCY:
                     long = {"max_tokens": 2000, "ignore_eos": True}
-                    submitted.extend(_batch(stack, premium_key, 16, **long))
+                    submitted.extend(_batch(stack, premium_key, WORKER_CONCURRENCY, **long))
             except Exception as exc:  # keep the load going; the test fails if a lull lets it in
                 errors.append(exc)
             time.sleep(0.2)

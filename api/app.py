@@ -16,6 +16,7 @@ from api.openapi import install_openapi
 from api.routes import batches, files, health, jobs, openai, qa_batches, streams
 from api.services import Services
 from api.url_guard import NulFreeUrls
+from core.heap import freeze_heap
 from core.settings import Settings, get_settings
 from core.tracing import init_tracing
 
@@ -43,6 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         services = Services.build(settings)
         services.submissions.start()
         app.state.services = services
+        freeze_heap()  # what start-up made lives as long as the process (core.heap)
         try:
             yield
         finally:

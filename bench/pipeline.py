@@ -83,6 +83,7 @@ def run_engine_alone(
     """Every job submitted at once to a VllmEngine in this process, `repeat` times; the median.
 
     The engine is shut down before returning."""
+    from core.heap import freeze_heap
     from core.tiers import Tier, engine_priority
     from workers.engine import VllmEngine
     from workers.generation import GenerationRequest
@@ -107,6 +108,7 @@ def run_engine_alone(
         engine.start()
         startup_s = time.perf_counter() - started
         engine.submit(request("bench-warmup", "Warm-up: say something.")).result()
+        freeze_heap()  # as the worker does once it is up, and vLLM's own server after warm-up
         runs = []
         for run in range(repeat):
             runs.append(_engine_run(engine, request, workload, run))

@@ -11,6 +11,7 @@ from celery.signals import worker_ready
 from core import keys
 from core.db import Database
 from core.events import EventPublisher
+from core.heap import freeze_heap
 from core.jobs import JobStore
 from core.logs import set_context
 from core.metrics import serve_metrics
@@ -132,6 +133,9 @@ def run_worker(
         client.sadd(keys.WORKERS_SET, node_name)
         runner.renew_leases()
         heartbeat.start()
+        # Start-up is over: full collections of the engine's and Celery's objects stalled
+        # the whole worker for up to 0.7 s at a time (core.heap).
+        freeze_heap()
 
     worker_ready.connect(announce, weak=False)
 

@@ -44,6 +44,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
+CELERY_PER_TASK_LOGGERS = ("celery.worker.strategy", "celery.app.trace")
+"""Celery's loggers of one line per task received and per task done."""
+
+
 def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
     """Send every log record to stderr in the chosen format."""
     handler = logging.StreamHandler()
@@ -55,6 +59,11 @@ def configure_logging(level: str = "INFO", fmt: str = "json") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # Celery's "Task … received" and "Task … succeeded" lines repeat inferq's own job lines
+    # (started, succeeded, with job id and tier) at two more lines per job; kept for DEBUG.
+    quiet = logging.DEBUG if logging.getLevelName(level) == logging.DEBUG else logging.WARNING
+    for name in CELERY_PER_TASK_LOGGERS:
+        logging.getLogger(name).setLevel(quiet)
 
 
 def set_context(**fields: Any) -> None:

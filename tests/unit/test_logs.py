@@ -32,3 +32,21 @@ def test_a_job_log_line_is_json_with_job_tier_and_worker(
     assert first["worker"] == "gpu0@host" and first["level"] == "INFO"
     assert second["worker"] == "gpu0@host" and "ValueError: boom" in second["exc"]
     assert "job_id" not in second
+
+
+@pytest.mark.parametrize(("level", "shown"), [("INFO", False), ("DEBUG", True)])
+def test_celery_lines_per_task_only_at_debug(
+    capsys: pytest.CaptureFixture[str], level: str, shown: bool
+) -> None:
+    logs.configure_logging(level, "json")
+    try:
+        for name in logs.CELERY_PER_TASK_LOGGERS:
+            logging.getLogger(name).info("Task inferq.run_job[1] received")
+        logging.getLogger("celery.app.trace").error("Task inferq.run_job[1] raised")
+    finally:
+        logging.getLogger().handlers.clear()
+        for name in logs.CELERY_PER_TASK_LOGGERS:
+            logging.getLogger(name).setLevel(logging.NOTSET)
+    lines = [json.loads(line)["message"] for line in capsys.readouterr().err.splitlines()]
+    received = ["Task inferq.run_job[1] received"] * len(logs.CELERY_PER_TASK_LOGGERS)
+    assert lines == [*(received if shown else []), "Task inferq.run_job[1] raised"]

@@ -42,6 +42,13 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = Field(default=True, description="vLLM automatic prefix cache.")
     max_num_seqs: int = Field(default=256, description="vLLM's running batch size limit.")
     cpu_kvcache_space_gb: int = Field(default=1, description="KV cache size on the CPU build.")
+    cpu_engine_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="CPU build: nice value of vLLM's engine-core process, whose loop spins "
+        "beside the API, Redis and the worker's threads; 0: none.",
+    )
 
     worker_concurrency: int = Field(
         default=256, description="Jobs a worker keeps in flight in its engine at once."

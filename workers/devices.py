@@ -53,3 +53,47 @@ def pin_devices(spec: DeviceSpec) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
     else:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+ENGINE_CORE_PROCESS = "VLLM::EngineCor"
+"""How vLLM's engine-core process names itself (a process name keeps 15 characters)."""
+
+
+def lower_engine_core_priority(nice: int, parent: int | None = None) -> list[int]:
+    """Give every thread of the engine-core processes under `parent` this nice value.
+
+    On the CPU build, the engine core's scheduler loop shares the cores left over from the
+    forward pass with the worker's own threads, the API, Redis and the database, and it spins
+    while it waits for each forward pass. A higher nice value lets the others run first when
+    they have work, and the engine core takes the rest. Returns the process ids changed.
+    """
+    parent = os.getpid() if parent is None else parent
+    changed = []
+    for pid in _children(parent):
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                if comm.read().strip() != ENGINE_CORE_PROCESS:
+                    continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except OSError:  # gone meanwhile, or not ours to change
+            continue
+        changed.append(pid)
+    return changed
+
+
+def _children(parent: int) -> list[int]:
+    """Process ids of `parent`'s direct children, from /proc (Linux)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                # The command name in parentheses may hold spaces: the fields follow its ')'.
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent:
+            children.append(int(entry))
+    return children

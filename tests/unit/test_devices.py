@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
 import pytest
 
-from workers.devices import DeviceSpec, parse_gpus
+from workers.devices import ENGINE_CORE_PROCESS, DeviceSpec, lower_engine_core_priority, parse_gpus
+
+# A child that names itself (as vLLM's processes do), starts a second thread, and waits.
+_CHILD = """
+import sys, threading, time
+with open("/proc/self/comm", "w") as comm:
+    comm.write(sys.argv[1])
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+print("ready", flush=True)
+time.sleep(60)
+"""
 
 
 def test_node_names_follow_the_devices() -> None:
@@ -22,3 +37,38 @@ def test_bad_gpu_lists_are_refused(value: str) -> None:
 def test_gpu_lists_parse() -> None:
     assert parse_gpus("0") == (0,)
     assert parse_gpus("1, 3") == (1, 3)
+
+
+@pytest.fixture
+def children() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    started = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _CHILD, name], stdout=subprocess.PIPE, text=True
+        )
+        for name in (ENGINE_CORE_PROCESS, "VLLM::Worker")
+    }
+    for child in started.values():
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    yield started
+    for child in started.values():
+        child.kill()
+        child.wait()
+
+
+def _nice_of_threads(pid: int) -> set[int]:
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_only_the_engine_core_is_niced_every_thread_of_it(
+    children: dict[str, subprocess.Popen[str]],
+) -> None:
+    engine_core, forward_pass = children[ENGINE_CORE_PROCESS], children["VLLM::Worker"]
+    assert len(os.listdir(f"/proc/{engine_core.pid}/task")) == 2
+
+    assert lower_engine_core_priority(7) == [engine_core.pid]
+
+    assert _nice_of_threads(engine_core.pid) == {7}
+    assert _nice_of_threads(forward_pass.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
+    # Another process's children are not touched.
+    assert lower_engine_core_priority(9, parent=forward_pass.pid) == []
+    assert _nice_of_threads(engine_core.pid) == {7}

@@ -13,6 +13,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from core.models import SCHEMA_REVISION
 
+POOL_SIZE = 20
+POOL_OVERFLOW = 20
+"""Connections a process keeps open, and how many more it may open at a busy moment."""
+
 
 def make_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets WAL and a busy timeout so API and workers can both write."""
@@ -20,7 +24,15 @@ def make_engine(url: str) -> Engine:
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        # A pool as large as PostgreSQL's: with SQLAlchemy's default of 5 (+10 overflow), the
+        # API's request threads opened and closed a connection (and ran the pragmas below) for
+        # most requests under load.
+        engine = create_engine(
+            url,
+            connect_args={"timeout": 30, "check_same_thread": False},
+            pool_size=POOL_SIZE,
+            max_overflow=POOL_OVERFLOW,
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -31,7 +43,7 @@ def make_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+    return create_engine(url, pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW, pool_pre_ping=True)
 
 
 @lru_cache

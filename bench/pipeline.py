@@ -2,8 +2,12 @@
 
 Run: `.venv/bin/python bench/pipeline.py [--jobs 256 --max-tokens 64 --repeat 3 --out DIR]`.
 
-Each mode runs the workload `--repeat` times on one warm engine (or one running stack) and
-reports its median run: on a shared host, one run of a few seconds can be off by ±20%.
+The engine alone (in this process) and a running stack stay up side by side, and the workload
+runs in `--repeat` rounds, each of them through all three modes in turn. Each mode reports its
+median run; the throughput ratio is the median of the rounds' ratios, each pipeline run over
+the engine-alone run of its own round. On a shared host one run of a few seconds can be off by
+±20%, and the machine's speed drifts over minutes: comparing modes that ran minutes apart
+measured the host as much as inferq.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ import asyncio
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -27,8 +33,10 @@ from typing import Any
 import aiohttp
 from report import (
     ModeResult,
+    descendants,
     format_table,
     machine_info,
+    paused,
     percentile,
     running_stack,
     save_chart,
@@ -77,12 +85,14 @@ def median_run(runs: list[ModeResult]) -> ModeResult:
     return median
 
 
-def run_engine_alone(
-    settings: Settings, workload: Workload, repeat: int = 1, engine_metrics: bool = False
-) -> ModeResult:
-    """Every job submitted at once to a VllmEngine in this process, `repeat` times; the median.
+@contextmanager
+def engine_alone(
+    settings: Settings, workload: Workload, engine_metrics: bool = False
+) -> Iterator[tuple[Callable[[int], ModeResult], float]]:
+    """A VllmEngine in this process, warmed up; yields (run the workload once, start-up s).
 
-    The engine is shut down before returning."""
+    Each call of the runner submits every job at once. The engine is shut down on the way out.
+    """
     from core.heap import freeze_heap
     from core.tiers import Tier, engine_priority
     from workers.engine import VllmEngine
@@ -109,13 +119,9 @@ def run_engine_alone(
         startup_s = time.perf_counter() - started
         engine.submit(request("bench-warmup", "Warm-up: say something.")).result()
         freeze_heap()  # as the worker does once it is up, and vLLM's own server after warm-up
-        runs = []
-        for run in range(repeat):
-            runs.append(_engine_run(engine, request, workload, run))
-            runs[-1].extra["startup_s"] = round(startup_s, 2)
+        yield partial(_engine_run, engine, request, workload), startup_s
     finally:
         engine.shutdown()
-    return median_run(runs)
 
 
 def _engine_run(
@@ -272,26 +278,56 @@ async def drive_pipeline(
     )
 
 
-def run_pipeline(
-    settings: Settings, workload: Workload, api_port: int, repeat: int = 1
-) -> list[ModeResult]:
-    """Start Redis, the worker and the API; drive them one POST per job, then in batches.
+@dataclass
+class Rounds:
+    """Every mode's run of each round; a round runs the engine alone, then the pipeline's modes."""
 
-    The two modes take turns, `repeat` times; each reports its median run."""
-    single: list[ModeResult] = []
-    batched: list[ModeResult] = []
-    with running_stack(settings, api_port) as (api_url, key, startup_s):
-        for run in range(repeat):
-            single.append(asyncio.run(drive_pipeline(api_url, key, workload, run=2 * run)))
-            batched.append(
-                asyncio.run(
-                    drive_pipeline(api_url, key, workload, batch_size=BATCH_SIZE, run=2 * run + 1)
-                )
-            )
-    results = [median_run(single), median_run(batched)]
-    for result in results:
-        result.extra["startup_s"] = round(startup_s, 2)
-    return results
+    engine: list[ModeResult] = field(default_factory=list)
+    single: list[ModeResult] = field(default_factory=list)
+    batched: list[ModeResult] = field(default_factory=list)
+
+    def paired_ratios(self, mode: list[ModeResult]) -> list[float]:
+        """Per round, that mode's throughput over the engine alone's in the same round."""
+        return [
+            pipeline.tokens_per_s / engine.tokens_per_s
+            for pipeline, engine in zip(mode, self.engine, strict=True)
+            if engine.tokens_per_s > 0
+        ]
+
+
+def run_rounds(
+    settings: Settings, workload: Workload, api_port: int, repeat: int, engine_metrics: bool
+) -> tuple[Rounds, float, float]:
+    """Start the engine alone and a stack side by side; run `repeat` rounds of all three modes.
+
+    Both stay up through every round, so each round compares the modes within the same minute:
+    on a shared host, the speed of the machine drifts by a fifth over the minutes that running
+    one mode after the other took. While one side runs, the other's processes are stopped
+    (SIGSTOP), so neither mode pays for the other's idle timers and heartbeats. Returns the
+    rounds and both start-up times (engine, stack).
+    """
+    rounds = Rounds()
+    with engine_alone(settings, workload, engine_metrics) as (run_engine, engine_startup_s):
+        engine_processes = descendants()  # its engine core and forward pass
+        with running_stack(settings, api_port) as (api_url, key, stack_startup_s):
+            stack_processes = descendants() - engine_processes
+            for index in range(repeat):
+                # Fresh prompts for every run: no run reuses another's cached prefixes.
+                print(f"round {index + 1}/{repeat} …", flush=True)
+                with paused(stack_processes):
+                    rounds.engine.append(run_engine(3 * index))
+                with paused(engine_processes):
+                    rounds.single.append(
+                        asyncio.run(drive_pipeline(api_url, key, workload, run=3 * index + 1))
+                    )
+                    rounds.batched.append(
+                        asyncio.run(
+                            drive_pipeline(
+                                api_url, key, workload, batch_size=BATCH_SIZE, run=3 * index + 2
+                            )
+                        )
+                    )
+    return rounds, engine_startup_s, stack_startup_s
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -306,7 +342,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "production by default); without it, neither mode keeps them",
     )
     parser.add_argument(
-        "--repeat", type=int, default=3, help="runs per mode; the median run is reported"
+        "--repeat",
+        type=int,
+        default=3,
+        help="rounds; each runs every mode once, and the median is reported",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument(
@@ -354,17 +393,17 @@ def main(argv: list[str] | None = None) -> int:
         f"temperature {workload.temperature:g}; max_num_seqs {settings.max_num_seqs}, "
         f"worker concurrency {settings.worker_concurrency}; {CONNECTIONS} HTTP connections "
         "for submissions, one per long poll; engine metrics "
-        f"{'on' if args.engine_metrics else 'off'} in both modes; {args.repeat} runs per mode, "
-        "the median reported\n"
+        f"{'on' if args.engine_metrics else 'off'} in both modes; {args.repeat} rounds of "
+        "every mode, the median run reported, ratios paired within rounds\n"
         f"model   : {settings.model_path}\n",
         flush=True,
     )
     succeeded = False
     try:
-        print("engine alone: starting the engine in this process …", flush=True)
-        engine = run_engine_alone(settings, workload, args.repeat, args.engine_metrics)
-        print("inferq pipeline: starting redis, worker and API …", flush=True)
-        pipelines = run_pipeline(settings, workload, free_port(), args.repeat)
+        print("starting the engine alone in this process, and redis, worker and API …", flush=True)
+        rounds, engine_startup_s, stack_startup_s = run_rounds(
+            settings, workload, free_port(), args.repeat, args.engine_metrics
+        )
         succeeded = True
     finally:
         if succeeded:
@@ -372,11 +411,22 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"kept {work_dir} (logs under logs/)", file=sys.stderr)
 
+    engine = median_run(rounds.engine)
+    engine.extra["startup_s"] = round(engine_startup_s, 2)
+    pipelines = [median_run(rounds.single), median_run(rounds.batched)]
+    for result in pipelines:
+        result.extra["startup_s"] = round(stack_startup_s, 2)
     results = [engine, *pipelines]
     if not engine.succeeded:
         print(format_table(results))
         raise SystemExit("the engine alone finished no job; nothing to compare with")
-    ratios = {p.mode: p.tokens_per_s / engine.tokens_per_s for p in pipelines}
+    # The headline ratio pairs each pipeline run with the engine-alone run of its own round.
+    paired = {
+        pipelines[0].mode: rounds.paired_ratios(rounds.single),
+        pipelines[1].mode: rounds.paired_ratios(rounds.batched),
+    }
+    ratios = {mode: statistics.median(values) for mode, values in paired.items()}
+    ratios_of_medians = {p.mode: p.tokens_per_s / engine.tokens_per_s for p in pipelines}
     added_ttft_ms = {
         p.mode: (percentile(p.ttft_s, 50) - percentile(engine.ttft_s, 50)) * 1000 for p in pipelines
     }
@@ -387,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         span = pipeline.extra["server_span_s"]
         print(
             f"{pipeline.mode}: throughput / engine = {ratios[pipeline.mode]:.2f}"
-            f" (target ≥ {THROUGHPUT_TARGET:.2f}); added TTFT p50 ="
+            f" (target ≥ {THROUGHPUT_TARGET:.2f}; median of the rounds' "
+            f"{', '.join(f'{r:.2f}' for r in paired[pipeline.mode])}); added TTFT p50 ="
             f" {added_ttft_ms[pipeline.mode]:.0f} ms; submit phase"
             f" {pipeline.extra['submit_phase_s']:.2f} s; first created → last finished {span:.2f} s"
         )
@@ -424,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "modes": [result.summary() for result in results],
         "throughput_ratio": {mode: round(r, 4) for mode, r in ratios.items()},
+        "paired_ratios": {mode: [round(r, 4) for r in values] for mode, values in paired.items()},
+        "throughput_ratio_of_medians": {mode: round(r, 4) for mode, r in ratios_of_medians.items()},
         "throughput_target": THROUGHPUT_TARGET,
         "added_ttft_p50_ms": {mode: round(ms, 2) for mode, ms in added_ttft_ms.items()},
     }

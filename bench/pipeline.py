@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 from report import (
     ModeResult,
+    cpu_use,
     descendants,
     format_table,
     machine_info,
@@ -311,23 +312,28 @@ def run_rounds(
         engine_processes = descendants()  # its engine core and forward pass
         with running_stack(settings, api_port) as (api_url, key, stack_startup_s):
             stack_processes = descendants() - engine_processes
+            everything = engine_processes | stack_processes | {os.getpid()}
             for index in range(repeat):
                 # Fresh prompts for every run: no run reuses another's cached prefixes.
                 print(f"round {index + 1}/{repeat} …", flush=True)
                 with paused(stack_processes):
-                    rounds.engine.append(run_engine(3 * index))
+                    rounds.engine.append(_measured(everything, partial(run_engine, 3 * index)))
                 with paused(engine_processes):
-                    rounds.single.append(
-                        asyncio.run(drive_pipeline(api_url, key, workload, run=3 * index + 1))
+                    single = drive_pipeline(api_url, key, workload, run=3 * index + 1)
+                    rounds.single.append(_measured(everything, partial(asyncio.run, single)))
+                    batched = drive_pipeline(
+                        api_url, key, workload, batch_size=BATCH_SIZE, run=3 * index + 2
                     )
-                    rounds.batched.append(
-                        asyncio.run(
-                            drive_pipeline(
-                                api_url, key, workload, batch_size=BATCH_SIZE, run=3 * index + 2
-                            )
-                        )
-                    )
+                    rounds.batched.append(_measured(everything, partial(asyncio.run, batched)))
     return rounds, engine_startup_s, stack_startup_s
+
+
+def _measured(pids: set[int], run: Callable[[], ModeResult]) -> ModeResult:
+    """Run one mode, noting each process role's CPU seconds in its `extra["cpu_s"]`."""
+    with cpu_use(pids) as used:
+        result = run()
+    result.extra["cpu_s"] = dict(sorted(used.items(), key=lambda item: -item[1]))
+    return result
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -446,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         runs = ", ".join(f"{value:,.0f}" for value in result.extra["runs_tokens_per_s"])
         print(f"{result.mode}: tokens/s of each run: {runs}")
     print("(pipeline TTFT is the API's timings.ttft_s: job creation to first token)")
+    print("\nCPU seconds by process in each mode's median run (the benchmark process is the")
+    print("engine's front end in the engine alone, the HTTP client in the pipeline's modes):")
+    for result in results:
+        used = result.extra["cpu_s"]
+        total = sum(used.values())
+        parts = ", ".join(f"{role} {seconds:.2f}" for role, seconds in used.items() if seconds)
+        print(f"{result.mode}: {total:.2f} s in {result.wall_s:.2f} s of wall time: {parts}")
     for result in results:
         if result.succeeded != result.jobs:
             print(f"WARNING: {result.mode}: only {result.succeeded}/{result.jobs} jobs succeeded")

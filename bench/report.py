@@ -100,6 +100,58 @@ def paused(pids: set[int], settle_s: float = 2.0) -> Iterator[None]:
         time.sleep(settle_s)
 
 
+def process_role(pid: int) -> str:
+    """What a process of the benchmark is, from its command line: `api`, `worker`, `redis`, …"""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    if pid == os.getpid():
+        return "benchmark process"
+    if comm.startswith("VLLM::"):
+        return "engine core"
+    words = [arg.decode(errors="replace") for arg in argv]
+    if any("redis-server" in word for word in words):
+        return "redis"
+    if "inferq" in words:
+        after = words[words.index("inferq") + 1 :]
+        return after[0] if after else "inferq"
+    return comm
+
+
+def cpu_seconds(pids: set[int]) -> dict[int, float]:
+    """CPU seconds (user + system) each process has used so far, from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[int, float] = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # utime and stime are fields 14 and 15 of stat(5); index 0 here is field 3.
+        used[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
+@contextlib.contextmanager
+def cpu_use(pids: set[int]) -> Iterator[dict[str, float]]:
+    """CPU seconds the processes use during the block, summed by role (see `process_role`).
+
+    The dict is filled when the block ends. Where the time goes is what the queue's cost
+    breaks down into; wall-time throughput alone does not say which part to make cheaper.
+    """
+    roles = {pid: process_role(pid) for pid in pids}
+    before = cpu_seconds(pids)
+    used: dict[str, float] = {}
+    yield used
+    after = cpu_seconds(pids)
+    for pid, seconds in after.items():
+        role = roles[pid]
+        used[role] = round(used.get(role, 0.0) + seconds - before.get(pid, seconds), 3)
+
+
 def machine_info() -> dict[str, Any]:
     """CPU count and model, Python and vLLM versions."""
     cpuinfo = Path("/proc/cpuinfo")

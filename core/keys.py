@@ -101,6 +101,9 @@ def result_cache(digest: str) -> str:
     return f"{PREFIX}:cache:{digest}"
 
 
+DISPATCH_WAKE = f"{PREFIX}:dispatch:wake"
+"""At most one token, pushed when a job is held: it wakes an idle dispatcher (60 s TTL)."""
+
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
 """Workers listen here for ids of running jobs to abort."""
 

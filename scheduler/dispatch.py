@@ -17,6 +17,9 @@ cannot do by itself are done here:
   `scheduler.routing`); the dispatcher also hands lost workers' own queues back to the shared
   ones.
 
+The dispatcher polls for room only while jobs are held; otherwise it blocks on a wake list
+that holding a job pushes to, so an idle system costs Redis almost nothing.
+
 Every move is one Lua script, and a job taken from a held list is parked in
 `inferq:dispatching:{tier}` until its message is sent, so a dispatcher that dies mid-move leaves
 the job to be sent by the next one (a duplicate message is harmless: workers skip a job that is
@@ -52,9 +55,9 @@ local function room(backlog)
 end
 """
 
-# KEYS: queue, held count, owners zset, round counter, dispatching list, sending count.
-# ARGV: backlog, held-list prefix, then (owner, entry) pairs. Returns the entries to send now
-# (counted as sending); the rest are held.
+# KEYS: queue, held count, owners zset, round counter, dispatching list, sending count, wake
+# list. ARGV: backlog, held-list prefix, then (owner, entry) pairs. Returns the entries to send
+# now (counted as sending); the rest are held, and a token on the wake list wakes a dispatcher.
 _HOLD_OR_SEND = (
     _ROOM
     + """
@@ -71,6 +74,11 @@ for i = 3, #ARGV, 2 do
     redis.call('ZADD', KEYS[3], 'NX', round, ARGV[i])
     held = held + 1
   end
+end
+if held > 0 then
+  redis.call('LPUSH', KEYS[7], '1')
+  redis.call('LTRIM', KEYS[7], 0, 0)
+  redis.call('EXPIRE', KEYS[7], 60)
 end
 redis.call('SET', KEYS[2], held)
 if #send > 0 then
@@ -198,6 +206,7 @@ class Dispatcher:
             keys.held_round(tier),
             keys.dispatching(tier),
             keys.sending_count(tier),
+            keys.DISPATCH_WAKE,
         ]
 
     def submit(self, jobs: list[QueuedJob]) -> None:
@@ -334,8 +343,14 @@ class Dispatcher:
             for tier, value in zip(TIERS_BY_PRIORITY, values, strict=True)
         }
 
-    def run(self, stopped: threading.Event, interval_s: float = 0.02) -> None:
-        """Release held jobs every `interval_s` and age queued ones, until `stopped` is set."""
+    def run(self, stopped: threading.Event, interval_s: float = 0.02, idle_s: float = 0.5) -> None:
+        """Release held jobs and age queued ones until `stopped` is set.
+
+        While jobs are held it polls for room every `interval_s` (workers free room by taking
+        messages, which nothing announces). With nothing held it blocks on the wake list, which
+        the API pushes to when it holds a job, for up to `idle_s`, the aging and reclaim cadence:
+        an idle system costs a round trip every half second, not fifty a second.
+        """
         recovered = self.recover()
         if recovered:
             log.info("dispatcher: re-sent %d parked jobs", recovered)
@@ -343,7 +358,7 @@ class Dispatcher:
         while not stopped.is_set():
             try:
                 self.release()
-                if time.monotonic() - last_promote >= 0.5:
+                if time.monotonic() - last_promote >= idle_s:
                     last_promote = time.monotonic()
                     promoted = self.promote()
                     if promoted:
@@ -353,7 +368,10 @@ class Dispatcher:
                         log.info(
                             "dispatcher: %d jobs of lost workers back in the queues", reclaimed
                         )
+                if any(self.held().values()):
+                    stopped.wait(interval_s)
+                else:
+                    self.redis.blpop([keys.DISPATCH_WAKE], timeout=idle_s)
             except redis.RedisError as exc:
                 log.warning("dispatcher: Redis unavailable; retrying: %s", exc)
                 stopped.wait(1.0)
-            stopped.wait(interval_s)

@@ -6,9 +6,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import Table, and_, bindparam, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -97,6 +97,34 @@ class JobOutcome:
 
 
 _FINAL = [s.value for s in FINAL_STATES]
+
+_JOBS = cast(Table, Job.__table__)
+# Built once: a worker records every run's outcome, and building, keying and ORM-compiling the
+# statement anew for each took most of the cost of writing it.
+_FINISH_ATTEMPT = (
+    update(_JOBS)
+    .where(
+        _JOBS.c.id == bindparam("b_id"),
+        _JOBS.c.attempt == bindparam("b_attempt"),
+        _JOBS.c.status == JobStatus.RUNNING.value,
+    )
+    .values(
+        status=bindparam("b_status"),
+        output_text=bindparam("b_text"),
+        finish_reason=bindparam("b_finish_reason"),
+        # A run that ended before the engine counted the prompt keeps the API's count.
+        prompt_tokens=func.coalesce(
+            bindparam("b_prompt_tokens", type_=_JOBS.c.prompt_tokens.type), _JOBS.c.prompt_tokens
+        ),
+        completion_tokens=bindparam("b_completion_tokens"),
+        cached_prompt_tokens=bindparam("b_cached_prompt_tokens"),
+        first_token_at=bindparam("b_first_token_at"),
+        finished_at=bindparam("b_finished_at"),
+        error_code=bindparam("b_error_code"),
+        error_message=bindparam("b_error_message"),
+        served_from=bindparam("b_served_from"),
+    )
+)
 
 
 class JobStore:
@@ -318,30 +346,25 @@ class JobStore:
 
     @staticmethod
     def _finish_one(session: Session, job_id: str, attempt: int, outcome: JobOutcome) -> bool:
-        result = session.execute(
-            update(Job)
-            .where(
-                Job.id == job_id,
-                Job.attempt == attempt,
-                Job.status == JobStatus.RUNNING.value,
-            )
-            .values(
-                status=outcome.status.value,
-                output_text=outcome.text,
-                finish_reason=outcome.finish_reason,
-                # A run that ended before the engine counted the prompt keeps the API's count.
-                prompt_tokens=func.coalesce(outcome.prompt_tokens, Job.prompt_tokens),
-                completion_tokens=outcome.completion_tokens,
-                cached_prompt_tokens=outcome.cached_prompt_tokens,
-                first_token_at=outcome.first_token_at,
-                finished_at=utcnow(),
-                error_code=outcome.error_code,
-                error_message=outcome.error_message,
-                served_from=outcome.served_from.value,
-            )
-            .execution_options(synchronize_session=False)
+        result = session.connection().execute(
+            _FINISH_ATTEMPT,
+            {
+                "b_id": job_id,
+                "b_attempt": attempt,
+                "b_status": outcome.status.value,
+                "b_text": outcome.text,
+                "b_finish_reason": outcome.finish_reason,
+                "b_prompt_tokens": outcome.prompt_tokens,
+                "b_completion_tokens": outcome.completion_tokens,
+                "b_cached_prompt_tokens": outcome.cached_prompt_tokens,
+                "b_first_token_at": outcome.first_token_at,
+                "b_finished_at": utcnow(),
+                "b_error_code": outcome.error_code,
+                "b_error_message": outcome.error_message,
+                "b_served_from": outcome.served_from.value,
+            },
         )
-        return bool(result.rowcount)  # type: ignore[attr-defined]
+        return bool(result.rowcount)
 
     def _transition(
         self,

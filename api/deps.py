@@ -13,7 +13,7 @@ from core.apikeys import Principal, hash_key
 from core.errors import AuthenticationFailed
 
 
-def get_services(connection: HTTPConnection) -> Services:
+async def get_services(connection: HTTPConnection) -> Services:
     """The services built at start-up."""
     services: Services = connection.app.state.services
     return services

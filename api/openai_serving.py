@@ -80,7 +80,7 @@ class StreamedText:
 
 
 async def _final_event(services: Services, job: Job) -> dict[str, Any] | None:
-    async for event in follow_events(services, job, 0):
+    async for event in follow_events(services, job, 0, watch=False):
         if event is not None and is_final(event):
             return event
     return None

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from api.services import Services
 from api.submission import cancel_job
 from core.errors import InvalidRequest, JobAlreadyFinal
-from core.events import is_final, read_events
+from core.events import is_final, read_events, watch_job
 from core.models import Job
 from core.states import JobStatus, final_event_type
 
@@ -58,9 +58,18 @@ def final_event_from_row(job: Job, seq: int) -> dict[str, Any]:
 
 
 async def follow_events(
-    services: Services, job: Job, after_seq: int, *, heartbeat_s: float = HEARTBEAT_S
+    services: Services,
+    job: Job,
+    after_seq: int,
+    *,
+    heartbeat_s: float = HEARTBEAT_S,
+    watch: bool = True,
 ) -> AsyncIterator[dict[str, Any] | None]:
-    """The job's events after `after_seq` up to its final one; None when a heartbeat is due."""
+    """The job's events after `after_seq` up to its final one; None when a heartbeat is due.
+
+    With `watch`, the job's worker publishes its deltas live (see `workers.streams`); without,
+    they may come as one delta at the end, which is all a reader waiting for the result needs.
+    """
     last = after_seq
     # A job already final: replay what is there without waiting.
     if JobStatus(job.status).is_final:
@@ -74,6 +83,8 @@ async def follow_events(
             if not events:
                 yield final_event_from_row(job, last + 1)
                 return
+    if watch:
+        await watch_job(services.redis, job.id, services.settings.job_key_ttl_s)
     idle_since = time.monotonic()
     while True:
         block_ms = int(max(0.001, heartbeat_s - (time.monotonic() - idle_since)) * 1000)

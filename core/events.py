@@ -138,6 +138,18 @@ class AsyncEventPublisher:
         await self._script(keys=script_keys, args=args)
 
 
+async def watch_job(client: aioredis.Redis, job_id: str, ttl_s: int) -> None:
+    """Ask for the job's deltas live: its worker holds back those of unwatched jobs.
+
+    The flag tells a worker that starts the job later; the message tells one running it now,
+    which then publishes the text so far as one delta, and every delta after it.
+    """
+    pipe = client.pipeline(transaction=False)
+    pipe.set(keys.job_watched(job_id), "1", ex=ttl_s)
+    pipe.publish(keys.WATCH_CHANNEL, job_id)
+    await pipe.execute()
+
+
 async def wait_for_final_event(client: aioredis.Redis, job_id: str, timeout_s: float) -> bool:
     """Block until the job has published its final event, or the timeout passes.
 

@@ -41,6 +41,11 @@ def job_cancel_flag(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:cancel"
 
 
+def job_watched(job_id: str) -> str:
+    """Set when a reader follows a job's stream: its worker then publishes every delta live."""
+    return f"{PREFIX}:job:{job_id}:watched"
+
+
 def job_lease(job_id: str) -> str:
     """The claim of the worker running a job; renewed while it runs, lapses if it dies."""
     return f"{PREFIX}:job:{job_id}:lease"
@@ -103,6 +108,9 @@ def result_cache(digest: str) -> str:
 
 DISPATCH_WAKE = f"{PREFIX}:dispatch:wake"
 """At most one token, pushed when a job is held: it wakes an idle dispatcher (60 s TTL)."""
+
+WATCH_CHANNEL = f"{PREFIX}:watch"
+"""Workers listen here for ids of jobs a reader has started to follow (see `job_watched`)."""
 
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
 """Workers listen here for ids of running jobs to abort."""

@@ -52,14 +52,15 @@ class _Heartbeat(threading.Thread):
                 log.debug("could not sample device memory", exc_info=True)
 
 
-class _CancelListener(threading.Thread):
-    """Aborts running jobs whose ids arrive on the cancel channel."""
+class _ControlListener(threading.Thread):
+    """Aborts running jobs whose ids arrive on the cancel channel; watches those on the watch
+    channel (a reader follows them: their deltas go out live)."""
 
     def __init__(self, runner: JobRunner, client: redis.Redis) -> None:
-        super().__init__(name="inferq-cancel-listener", daemon=True)
+        super().__init__(name="inferq-control-listener", daemon=True)
         self.runner = runner
         self.pubsub = client.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.subscribe(keys.CANCEL_CHANNEL)
+        self.pubsub.subscribe(keys.CANCEL_CHANNEL, keys.WATCH_CHANNEL)
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -67,13 +68,16 @@ class _CancelListener(threading.Thread):
             try:
                 message = self.pubsub.get_message(timeout=1.0)
             except redis.RedisError:
-                log.warning("cancel listener lost Redis; resubscribing", exc_info=True)
+                log.warning("control listener lost Redis; resubscribing", exc_info=True)
                 self.stopped.wait(1.0)
                 continue
-            if message and message["type"] == "message":
-                job_id = message["data"].decode()
-                if self.runner.cancel(job_id):
-                    log.info("aborted job %s on request", job_id)
+            if not message or message["type"] != "message":
+                continue
+            job_id = message["data"].decode()
+            if message["channel"].decode() == keys.WATCH_CHANNEL:
+                self.runner.watch(job_id)
+            elif self.runner.cancel(job_id):
+                log.info("aborted job %s on request", job_id)
 
 
 def _tick() -> None:
@@ -119,7 +123,7 @@ def run_worker(
     heartbeat = _Heartbeat(
         runner, DeviceMemory(node_name, spec.gpus), interval_s=min(1.0, settings.lease_ttl_s / 3)
     )
-    listener = _CancelListener(runner, client)
+    listener = _ControlListener(runner, client)
     listener.start()
 
     def announce(**_: object) -> None:

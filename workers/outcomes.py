@@ -59,13 +59,14 @@ class OutcomeRecorder:
         publisher: EventPublisher,
         release_lease: redis.commands.core.Script,
         *,
-        before_final: Callable[[], None] | None = None,
+        before_final: Callable[[list[str]], None] | None = None,
         cache_ttl_s: int = 0,
     ) -> None:
         self.store = store
         self.publisher = publisher
         self.release_lease = release_lease
-        # Called before outcomes are stored: publishes the deltas still queued, which precede them.
+        # Called with the ending jobs' ids before their outcomes are stored: publishes the
+        # deltas still queued or held back, which precede them.
         self.before_final = before_final
         # A succeeded deterministic job's result answers its repeats this long (0: never).
         self.cache_ttl_s = cache_ttl_s
@@ -113,7 +114,7 @@ class OutcomeRecorder:
         # whole, never a final job whose deltas stop short of its text.
         if self.before_final is not None:
             try:
-                self.before_final()
+                self.before_final([item.job_id for item in batch])
             except TimeoutError:  # Redis is stuck; the stored result is what counts
                 log.warning(
                     "deltas still queued after the timeout; storing %d outcomes", len(batch)

@@ -219,7 +219,7 @@ class JobRunner:
         self._announce_starts(list(started.values()))
         for job in started.values():
             answers[job.id] = _Started(job, tokens[job.id], self._submit(job))
-        self._catch_early_cancels(list(started))
+        self._catch_early_flags(list(started))
         with self.stats.lock:
             self.stats.skipped += len(ids) - len(answers) + (len(job_ids) - len(ids))
         return answers
@@ -294,11 +294,12 @@ class JobRunner:
         except redis.RedisError:  # best effort: the runs go on
             log.warning("could not announce %d job starts", len(jobs), exc_info=True)
 
-    def _catch_early_cancels(self, job_ids: list[str]) -> None:
-        """Abort jobs whose cancel came before they were registered here.
+    def _catch_early_flags(self, job_ids: list[str]) -> None:
+        """Abort jobs whose cancel, and watch jobs whose reader, came before they ran here.
 
-        The jobs are in `_running` and the engine already, so every cancel is seen either here
-        or by the cancel listener. Best effort: a Redis outage leaves them running.
+        The jobs are in `_running` and the engine already, so every cancel or watch is seen
+        either here or by the control listener. Best effort: a Redis outage leaves them running,
+        their deltas held until they end.
         """
         if not job_ids:
             return
@@ -306,13 +307,16 @@ class JobRunner:
             pipe = self.redis.pipeline(transaction=False)
             for job_id in job_ids:
                 pipe.exists(keys.job_cancel_flag(job_id))
+                pipe.exists(keys.job_watched(job_id))
             flags = pipe.execute()
         except redis.RedisError:
             log.warning("could not check %d jobs for cancels", len(job_ids), exc_info=True)
             return
-        for job_id, flagged in zip(job_ids, flags, strict=True):
-            if flagged:
+        for index, job_id in enumerate(job_ids):
+            if flags[2 * index]:
                 self.cancel(job_id)
+            if flags[2 * index + 1]:
+                self.watch(job_id)
 
     def _release_lease(self, job_id: str, token: str) -> None:
         try:
@@ -320,23 +324,40 @@ class JobRunner:
         except redis.RedisError:  # it lapses by itself
             log.warning("job %s: could not release its lease", job_id, exc_info=True)
 
+    def watch(self, job_id: str) -> None:
+        """Publish the job's deltas live from now on, if it runs here (a reader follows it)."""
+        if self.deltas is not None:
+            self.deltas.watch(job_id)
+
     def cancel(self, job_id: str) -> bool:
         """Abort a job this worker is running; False if it is not running here."""
         request_id = self._running.get(job_id)
         return request_id is not None and self.engine.cancel(request_id)
 
     def renew_leases(self) -> None:
-        """Extend the lease of every job in flight here; the heartbeat calls this."""
+        """Extend the lease of every job in flight here, and publish this worker's counters.
+
+        The heartbeat calls this every second; it also watches running jobs that have pub/sub
+        subscribers, so their deltas go out live.
+        """
         lease_ms = int(self.settings.lease_ttl_s * 1000)
+        running = list(self._running)
         pipe = self.redis.pipeline(transaction=False)
-        for job_id in list(self._running):
+        for job_id in running:
             pipe.pexpire(keys.job_lease(job_id), lease_ms)
         counters = self.stats.as_mapping()
         IN_FLIGHT.labels(self.worker_name).set(counters["in_flight"])
         pipe.hset(keys.worker_stats(self.worker_name), mapping=counters)
         pipe.expire(keys.worker_stats(self.worker_name), STATS_TTL_S)
         pipe.sadd(keys.WORKERS_SET, self.worker_name)
-        pipe.execute()
+        if running and self.deltas is not None:
+            # Readers subscribed to a job's channel straight on Redis watch it too.
+            pipe.pubsub_numsub(*(keys.job_events_channel(job_id) for job_id in running))
+        replies = pipe.execute()
+        if running and self.deltas is not None:
+            for job_id, (_channel, subscribers) in zip(running, replies[-1], strict=True):
+                if subscribers:
+                    self.deltas.watch(job_id)
 
     def retire(self) -> None:
         """Take this worker off the list of live workers.

@@ -40,7 +40,7 @@ def test_streamed_deltas_equal_the_stored_text(stack: Stack) -> None:
         for i in range(3)
     ]
     with stack.client(key) as client:
-        for job in jobs:
+        for index, job in enumerate(jobs):
             events = read_sse(client, job["id"])
             _check_stream(events)
             done = wait_final(client, job["id"])
@@ -50,7 +50,8 @@ def test_streamed_deltas_equal_the_stored_text(stack: Stack) -> None:
             assert sum(e["tokens"] for e in deltas) == 300
             assert len(done["text"]) > 250  # the local model writes printable text
             assert streamed_text(events).encode() == done["text"].encode()
-            assert len(deltas) > 1
+            if index == 0:  # followed from its start; the others may have ended unread
+                assert len(deltas) > 1
 
 
 def test_resume_with_last_event_id_loses_and_repeats_nothing(stack: Stack) -> None:
@@ -242,11 +243,11 @@ def test_a_job_is_stored_final_only_after_its_deltas_are_published(stack: Stack)
     deltas = DeltaPublisher(publisher)
     status_when_flushed: list[str] = []
 
-    def flush() -> None:
+    def flush(job_ids: list[str]) -> None:
         row = store.get(job.id)
         assert row is not None
         status_when_flushed.append(row.status)
-        deltas.flush()
+        deltas.flush(job_ids)
 
     release = stack.redis.register_script("return 0")
     recorder = OutcomeRecorder(store, publisher, release, before_final=flush)

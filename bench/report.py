@@ -112,6 +112,8 @@ def process_role(pid: int) -> str:
     if comm.startswith("VLLM::"):
         return "engine core"
     words = [arg.decode(errors="replace") for arg in argv]
+    if words and words[0].startswith("[celeryd"):  # Celery retitles the worker's process
+        return "worker"
     if any("redis-server" in word for word in words):
         return "redis"
     if "inferq" in words:

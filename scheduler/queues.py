@@ -15,6 +15,8 @@ RUN_JOB_TASK = "inferq.run_job"
 ENQUEUED_AT_HEADER = "inferq_enqueued_at"
 """Message header: when the job was submitted (Unix seconds), for aging."""
 REDELIVER_UNACKED_AFTER_S = 30
+PUBLISH_BATCH = 1000
+"""Most messages sent in one Redis pipeline; a bigger group goes in several."""
 
 
 def make_celery_app(settings: Settings) -> Celery:
@@ -73,12 +75,15 @@ def enqueue_jobs(
     headers: list[dict[str, str]] | None = None,
     queues: list[str | None] | None = None,
 ) -> None:
-    """Enqueue many committed jobs (id, tier) over one broker connection.
+    """Enqueue many committed jobs (id, tier) in one Redis round trip.
 
     `headers` are per job; so are `queues`, where a job goes to a queue other than its tier's
-    (None: its tier's).
+    (None: its tier's). Celery builds each message as `enqueue_job` does; kombu's publish batch
+    sends their LPUSHes as one pipeline. It is not a transaction: an error midway may leave some
+    messages sent, and a caller that sends the group again (as `Dispatcher.submit_or_defer`
+    does) gives those jobs a second message, which workers skip.
     """
-    with app.producer_or_acquire() as producer:
+    with app.producer_or_acquire() as producer, producer.batch(max_size=PUBLISH_BATCH):
         for index, (job_id, tier) in enumerate(jobs):
             app.send_task(
                 RUN_JOB_TASK,

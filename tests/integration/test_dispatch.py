@@ -1,7 +1,9 @@
-"""The dispatcher on a Redis of its own: idle, it blocks instead of polling; a held job wakes it."""
+"""The dispatcher on a Redis of its own: idle, it blocks instead of polling; a held job wakes it;
+a group of jobs goes to Redis in one round trip."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +16,7 @@ from core import keys
 from core.settings import Settings
 from core.tiers import Tier
 from scheduler.dispatch import Dispatcher, QueuedJob
-from scheduler.queues import make_celery_app
+from scheduler.queues import enqueue_jobs, make_celery_app
 from tests.support import redis_server
 
 
@@ -73,3 +75,25 @@ def test_a_held_job_wakes_the_dispatcher_and_is_sent_once_there_is_room(tmp_path
                 time.sleep(0.05)
             assert dispatcher.held()[Tier.BASIC.value] == 0
             assert client.llen(queue) == 2
+
+
+def test_a_group_of_jobs_goes_to_redis_in_one_round_trip(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        settings = Settings(redis_url=server.url, data_dir=tmp_path)
+        client = redis.Redis.from_url(server.url)
+        celery = make_celery_app(settings)
+        jobs: list[tuple[str, Tier | str]] = [(f"job-{i}", Tier.BASIC) for i in range(50)]
+        jobs.append(("job-premium", Tier.PREMIUM))
+        enqueue_jobs(celery, jobs[:1])  # the producer's connection, made outside the count
+        before = int(client.info("stats")["total_reads_processed"])
+        enqueue_jobs(celery, jobs[1:], headers=[{"n": str(i)} for i in range(1, len(jobs))])
+        reads = int(client.info("stats")["total_reads_processed"]) - before
+        # One LPUSH round trip per message made 50 reads here (and more with the stats call).
+        assert reads <= 10, f"{reads} reads by Redis to enqueue {len(jobs) - 1} jobs"
+        basic = [json.loads(m) for m in client.lrange(keys.queue_name(Tier.BASIC), 0, -1)]
+        assert [m["headers"]["argsrepr"] for m in reversed(basic)] == [
+            f"['job-{i}']" for i in range(50)
+        ]
+        assert [m["headers"].get("n") for m in reversed(basic)] == [None, *map(str, range(1, 50))]
+        [premium] = client.lrange(keys.queue_name(Tier.PREMIUM), 0, -1)
+        assert json.loads(premium)["headers"]["argsrepr"] == "['job-premium']"

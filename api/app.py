@@ -27,11 +27,17 @@ CORS_REQUEST_HEADERS = [
     "Accept",
     "Idempotency-Key",
     "Last-Event-ID",
+    "Prefer",
 ]
 """Headers a browser may send cross-origin (with `INFERQ_CORS_ORIGINS`); keys travel in headers,
 never cookies, so credentials stay off."""
 
-CORS_RESPONSE_HEADERS = ["Location", "Idempotent-Replayed", "Retry-After"]
+CORS_RESPONSE_HEADERS = [
+    "Location",
+    "Idempotent-Replayed",
+    "Retry-After",
+    "Preference-Applied",
+]
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from api.deps import PrincipalDep, ServicesDep
 from api.negotiation import MsgpackRoute, NegotiatedResponse
 from api.openapi import COMMON_ERRORS, error_responses
+from api.prefer import honour_wait
 from api.schemas import (
     JobBatchCreate,
     JobCreate,
@@ -35,6 +36,10 @@ router = APIRouter(
 
 MAX_WAIT_S = 60.0
 CANCEL_WAIT_S = 5.0
+PREFER_HELP = (
+    "`wait=N` (RFC 7240): answer once the job has ended (200), or as it stands after N "
+    "seconds (202); at most 60."
+)
 
 
 @router.post(
@@ -45,8 +50,8 @@ CANCEL_WAIT_S = 5.0
         200: {
             "model": JobOut,
             "content": {"text/event-stream": {}},
-            "description": "The job stored earlier under this Idempotency-Key; with stream=true, "
-            "the job's events.",
+            "description": "The job stored earlier under this Idempotency-Key, or with Prefer: "
+            "wait, the job once it has ended; with stream=true, the job's events.",
         },
         **error_responses(409, 413, 429),
     },
@@ -60,12 +65,14 @@ async def create_job(
     cancel_on_disconnect: Annotated[
         bool, Query(description="With stream: cancel the job if the client goes away first.")
     ] = True,
+    prefer: Annotated[str | None, Header(description=PREFER_HELP)] = None,
 ) -> Response:
     """Queue a job on the caller's tier; a repeated Idempotency-Key returns the same job.
 
     With `stream=true` the answer is the job's event stream (as `GET /v1/jobs/{id}/events`),
     and a client that disconnects before the final event cancels the job unless
-    `cancel_on_disconnect=false`.
+    `cancel_on_disconnect=false`. With `Prefer: wait=N` the answer waits for the job to end
+    (see `api.prefer`).
     """
     job, created = await submit_job(services, principal, body, idempotency_key)
     if stream:
@@ -76,20 +83,42 @@ async def create_job(
             cancel_owner=principal.owner if cancel_on_disconnect else None,
             headers={"Location": f"/v1/jobs/{job.id}"},
         )
+    [job], status_code, headers = await honour_wait(services, [job], prefer, MAX_WAIT_S)
+    headers.update(
+        {"Location": f"/v1/jobs/{job.id}", "Idempotent-Replayed": str(not created).lower()}
+    )
     return NegotiatedResponse(
         JobOut.from_job(job).model_dump(mode="json"),
-        status_code=202 if created else 200,
-        headers={"Location": f"/v1/jobs/{job.id}", "Idempotent-Replayed": str(not created).lower()},
+        status_code=status_code or (202 if created else 200),
+        headers=headers,
     )
 
 
-@router.post("/batch", status_code=202, response_model=JobList, responses=error_responses(413, 429))
+@router.post(
+    "/batch",
+    status_code=202,
+    response_model=JobList,
+    responses={
+        200: {"model": JobList, "description": "With Prefer: wait, every job has ended."},
+        **error_responses(413, 429),
+    },
+)
 async def create_jobs(
-    body: JobBatchCreate, principal: PrincipalDep, services: ServicesDep
-) -> JobList:
-    """Queue many jobs at once (one transaction, one broker connection); all or none."""
+    body: JobBatchCreate,
+    principal: PrincipalDep,
+    services: ServicesDep,
+    prefer: Annotated[str | None, Header(description=PREFER_HELP)] = None,
+) -> NegotiatedResponse:
+    """Queue many jobs at once (one transaction, one broker connection); all or none.
+
+    With `Prefer: wait=N` the answer waits until every job has ended, up to N seconds.
+    """
     jobs = await submit_jobs(services, principal, body.jobs)
-    return JobList(data=[JobOut.from_job(job) for job in jobs], next_cursor=None)
+    jobs, status_code, headers = await honour_wait(services, jobs, prefer, MAX_WAIT_S)
+    page = JobList(data=[JobOut.from_job(job) for job in jobs], next_cursor=None)
+    return NegotiatedResponse(
+        page.model_dump(mode="json"), status_code=status_code or 202, headers=headers
+    )
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=error_responses(404))

@@ -22,15 +22,21 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from drivers import CONNECTIONS, JOB_DEADLINE_S, Workload, drive_pipeline, drive_vllm_server
+from drivers import (
+    CONNECTIONS,
+    JOB_DEADLINE_S,
+    Workload,
+    drive_pipeline,
+    drive_vllm_server,
+    engine_alone,
+)
 from report import (
     ModeResult,
     cpu_use,
@@ -51,88 +57,12 @@ THROUGHPUT_TARGET = 0.90
 BATCH_SIZE = 64
 
 
-def _mark_done(done_at: list[float], index: int, _future: object) -> None:
-    done_at[index] = time.perf_counter()
-
-
 def median_run(runs: list[ModeResult]) -> ModeResult:
     """The run with the median throughput; every run's tokens/s goes in its `extra`."""
     ordered = sorted(runs, key=lambda run: run.tokens_per_s)
     median = ordered[(len(ordered) - 1) // 2]
     median.extra["runs_tokens_per_s"] = [round(run.tokens_per_s, 1) for run in runs]
     return median
-
-
-@contextmanager
-def engine_alone(
-    settings: Settings, workload: Workload, engine_metrics: bool = False
-) -> Iterator[tuple[Callable[[int], ModeResult], float]]:
-    """A VllmEngine in this process, warmed up; yields (run the workload once, start-up s).
-
-    Each call of the runner submits every job at once. The engine is shut down on the way out.
-    """
-    from core.heap import freeze_heap
-    from core.tiers import Tier, engine_priority
-    from workers.engine import VllmEngine
-    from workers.generation import GenerationRequest
-
-    policy = settings.tier_policy(Tier.PREMIUM)
-
-    def request(request_id: str, prompt: str) -> GenerationRequest:
-        return GenerationRequest(
-            request_id=request_id,
-            prompt=prompt,
-            sampling=workload.sampling(),
-            priority=engine_priority(policy),
-            timeout_s=policy.timeout_s,
-        )
-
-    # With engine metrics, the engine keeps the same per-step statistics a worker keeps.
-    engine = VllmEngine(
-        settings, device="cpu", num_gpus=0, stats_label="bench" if engine_metrics else None
-    )
-    try:
-        started = time.perf_counter()
-        engine.start()
-        startup_s = time.perf_counter() - started
-        engine.submit(request("bench-warmup", "Warm-up: say something.")).result()
-        freeze_heap()  # as the worker does once it is up, and vLLM's own server after warm-up
-        yield partial(_engine_run, engine, request, workload), startup_s
-    finally:
-        engine.shutdown()
-
-
-def _engine_run(
-    engine: Any, request: Callable[[str, str], Any], workload: Workload, run: int
-) -> ModeResult:
-    prompts = workload.prompts(run)
-    submitted_at: list[datetime] = []
-    done_at = [0.0] * len(prompts)
-    futures = []
-    t0 = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        submitted_at.append(datetime.now(UTC))
-        future = engine.submit(request(f"bench-{run}-{i}", prompt))
-        future.add_done_callback(partial(_mark_done, done_at, i))
-        futures.append(future)
-    results = [future.result() for future in futures]
-    wall_s = max(done_at) - t0
-
-    ok = [r for r in results if r.status.value == "succeeded"]
-    ttft = [
-        (r.first_token_at - sent).total_seconds()
-        for r, sent in zip(results, submitted_at, strict=True)
-        if r.status.value == "succeeded" and r.first_token_at is not None
-    ]
-    return ModeResult(
-        mode="engine alone",
-        jobs=len(prompts),
-        succeeded=len(ok),
-        tokens=sum(r.completion_tokens for r in ok),
-        wall_s=wall_s,
-        ttft_s=ttft,
-        latency_s=[t - t0 for t in done_at],
-    )
 
 
 @dataclass
@@ -163,7 +93,10 @@ class Startup:
 
 
 def run_rounds(
-    settings: Settings, workload: Workload, ports: tuple[int, int], repeat: int, metrics: bool
+    settings: Settings,
+    workload: Workload,
+    ports: tuple[int, int],
+    args: argparse.Namespace,
 ) -> tuple[Rounds, Startup]:
     """Start the engine alone, vLLM's server and a stack side by side; run `repeat` rounds.
 
@@ -171,12 +104,13 @@ def run_rounds(
     minute: on a shared host, the speed of the machine drifts by a fifth over the minutes that
     running one mode after the other took. While one side runs, the others' processes are
     stopped (SIGSTOP), so no mode pays for another's idle timers and heartbeats. `ports` are
-    the API's and vLLM's server's.
+    the API's and vLLM's server's; `args` give the rounds, engine metrics and inferq's client.
     """
     rounds = Rounds()
     api_port, server_port = ports
     server_log = settings.data_dir / "vllm-server.log"
-    with engine_alone(settings, workload, metrics) as (run_engine, engine_startup_s):
+    repeat, prefer_wait = args.repeat, not args.no_prefer_wait
+    with engine_alone(settings, workload, args.engine_metrics) as (run_engine, startup_s):
         engine_processes = descendants()  # its engine core and forward pass
         started = time.perf_counter()
         with vllm_server(settings, server_port, server_log) as (server_url, server_pid):
@@ -198,13 +132,15 @@ def run_rounds(
                         )
                         rounds.server.append(_measured(everything, partial(asyncio.run, server)))
                     with paused(sides - stack_processes):
-                        single = drive_pipeline(api_url, key, workload, run=run + 2)
+                        single = drive_pipeline(
+                            api_url, key, workload, run=run + 2, prefer_wait=prefer_wait
+                        )
                         rounds.single.append(_measured(everything, partial(asyncio.run, single)))
                         batched = drive_pipeline(
-                            api_url, key, workload, batch_size=BATCH_SIZE, run=run + 3
+                            api_url, key, workload, BATCH_SIZE, run + 3, prefer_wait
                         )
                         rounds.batched.append(_measured(everything, partial(asyncio.run, batched)))
-    return rounds, Startup(engine_startup_s, server_startup_s, stack_startup_s)
+    return rounds, Startup(startup_s, server_startup_s, stack_startup_s)
 
 
 def _measured(pids: set[int], run: Callable[[], ModeResult]) -> ModeResult:
@@ -231,6 +167,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=3,
         help="rounds; each runs every mode once, and the median is reported",
+    )
+    parser.add_argument(
+        "--no-prefer-wait",
+        action="store_true",
+        help="inferq's client submits, then long-polls each job, instead of asking the "
+        "submission itself to wait for the end (Prefer: wait=30)",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument(
@@ -276,8 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         f"Python {machine['python']}, {machine['vllm']}\n"
         f"workload: {workload.jobs} jobs x {workload.max_tokens} tokens, ignore_eos, "
         f"temperature {workload.temperature:g}; max_num_seqs {settings.max_num_seqs}, "
-        f"worker concurrency {settings.worker_concurrency}; {CONNECTIONS} HTTP connections "
-        "for submissions, one per long poll; engine metrics "
+        f"worker concurrency {settings.worker_concurrency}; inferq's client: "
+        + (
+            f"submit over {CONNECTIONS} connections, then a long poll per job"
+            if args.no_prefer_wait
+            else "submit with Prefer: wait=30 (a connection each), long-poll what is not final"
+        )
+        + "; engine metrics "
         f"{'on' if args.engine_metrics else 'off'} in both modes; {args.repeat} rounds of "
         "every mode, the median run reported, ratios paired within rounds\n"
         f"model   : {settings.model_path}\n",
@@ -286,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     succeeded = False
     try:
         print("starting the engine alone here, vLLM's server, and redis, worker and API …")
-        rounds, startup = run_rounds(
-            settings, workload, (free_port(), free_port()), args.repeat, args.engine_metrics
-        )
+        rounds, startup = run_rounds(settings, workload, (free_port(), free_port()), args)
         succeeded = True
     finally:
         if succeeded:
@@ -306,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             "enable_prefix_caching": settings.enable_prefix_caching,
             "engine_metrics": args.engine_metrics,
             "repeat": args.repeat,
+            "prefer_wait": not args.no_prefer_wait,
         },
     )
     args.out.mkdir(parents=True, exist_ok=True)
@@ -367,8 +313,9 @@ def summarize(rounds: Rounds, startup: Startup) -> dict[str, Any]:
             print(f"{pipeline.mode}: throughput / vLLM's server = {statistics.median(against):.2f}")
     for pipeline in pipelines:
         print(
-            f"{pipeline.mode}: added TTFT p50 = {added_ttft_ms[pipeline.mode]:.0f} ms; submit "
-            f"phase {pipeline.extra['submit_phase_s']:.2f} s; first created → last finished "
+            f"{pipeline.mode}: added TTFT p50 = {added_ttft_ms[pipeline.mode]:.0f} ms; last "
+            f"submission answered {pipeline.extra['submit_phase_s']:.2f} s; first created → last "
+            "finished "
             f"{pipeline.extra['server_span_s']:.2f} s"
         )
     for result in results:

@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import aiohttp
 import httpx
 from report import machine_info, percentile, running_stack
+from vllm_server import running_server
 
 from core.settings import Settings
 
@@ -118,29 +118,8 @@ def run_vllm_server(
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     command += ["--port", str(port), "--gpu-memory-utilization", "0.2", "--enable-prefix-caching"]
-    with log.open("wb") as out:
-        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 600
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"vLLM's server exited; see {log}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"vLLM's server did not start; see {log}")
-                time.sleep(1)
-            return asyncio.run(_drive_vllm(url, model, prompts, tokens))
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+    with running_server(command, env, port, log) as (url, _pid):
+        return asyncio.run(_drive_vllm(url, model, prompts, tokens))
 
 
 def save_chart(results: dict[str, dict[str, Any]], path: Path) -> None:

@@ -61,13 +61,23 @@ def vllm_server(settings: Settings, port: int, log: Path) -> Iterator[tuple[str,
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(settings.cpu_kvcache_space_gb)}
     command = server_command(engine_args(settings, device="cpu", num_gpus=0), port)
+    with running_server(command, env, port, log) as (url, pid):
+        if settings.cpu_engine_nice:
+            lower_engine_core_priority(settings.cpu_engine_nice, parent=pid)
+        yield url, pid
+
+
+@contextlib.contextmanager
+def running_server(
+    command: list[str], env: dict[str, str], port: int, log: Path
+) -> Iterator[tuple[str, int]]:
+    """Run a server command, its output to `log`, until it answers `/health` on `port`;
+    yields (URL, pid) and stops it on the way out."""
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as out:
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _wait_healthy(server, url, log)
-            if settings.cpu_engine_nice:
-                lower_engine_core_priority(settings.cpu_engine_nice, parent=server.pid)
+            wait_healthy(server, url, log)
             yield url, server.pid
         finally:
             server.terminate()
@@ -78,7 +88,8 @@ def vllm_server(settings: Settings, port: int, log: Path) -> Iterator[tuple[str,
                 server.wait()
 
 
-def _wait_healthy(server: subprocess.Popen[bytes], url: str, log: Path) -> None:
+def wait_healthy(server: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    """Return once the server answers `/health`; exit if it dies or takes too long."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         if server.poll() is not None:

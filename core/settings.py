@@ -67,6 +67,12 @@ class Settings(BaseSettings):
         ge=0,
         description="Shortest time between a worker's stream publishes; 0: every engine step.",
     )
+    stream_tokens: int = Field(
+        default=4,
+        ge=1,
+        description="Tokens the engine gathers for a job before handing them on (vLLM's "
+        "per-request stream_interval; the first and the last come at once); 1: every token.",
+    )
     max_attempts: int = Field(
         default=3, ge=1, description="Runs of a job whose worker is lost before it fails."
     )

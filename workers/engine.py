@@ -1,9 +1,9 @@
 """The vLLM engine adapter: one AsyncLLM on an event loop in a background thread.
 
 Celery's task threads call `submit`, which schedules the generation on the loop and returns a
-future; vLLM batches every request in flight (continuous batching). The text each request makes
-is collected per engine step and handed to the delta sink once per step (at most once per
-`stream_interval_ms`), never once per token.
+future; vLLM batches every request in flight (continuous batching). The engine hands each
+request's text over every `stream_tokens` tokens; it is collected per engine step and handed to
+the delta sink once per step (at most once per `stream_interval_ms`), never once per token.
 This is the only module that imports vLLM, and it is imported only after the worker has pinned
 its devices.
 """
@@ -85,6 +85,7 @@ class VllmEngine:
         self._step: list[Delta] = []
         self._last_flush = 0.0
         self._stream_interval_s = settings.stream_interval_ms / 1000
+        self._stream_tokens = settings.stream_tokens
 
     def start(self) -> None:
         """Load the model and start the engine; blocks until it is ready."""
@@ -145,7 +146,13 @@ class VllmEngine:
             return result
         try:
             # Inside the try: parameters the engine refuses fail the job, not the task.
-            params = SamplingParams(**request.sampling, output_kind=RequestOutputKind.DELTA)
+            # Deltas in chunks of `stream_tokens`: the engine's front end wakes this coroutine,
+            # and the worker handles a delta, once per chunk rather than once per token.
+            params = SamplingParams(
+                **request.sampling,
+                output_kind=RequestOutputKind.DELTA,
+                stream_interval=self._stream_tokens,
+            )
             async with asyncio.timeout(request.timeout_s):
                 stream = self._llm.generate(
                     request.prompt, params, request.request_id, priority=request.priority

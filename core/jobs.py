@@ -193,8 +193,8 @@ class JobStore:
     def get(self, job_id: str, owner: str | None = None) -> Job | None:
         """The job, or None if it does not exist or belongs to someone else.
 
-        A snapshot to read, in no session: every poll reads a job, and the ORM's session and
-        identity map cost twice what the row itself does (280 against 135 µs on SQLite).
+        A snapshot to read, in no session: every poll reads a job, and through the ORM's
+        session and identity map a read took 280 µs on SQLite, against 150 µs this way.
         """
         with self.db.engine.connect() as conn:
             row = conn.execute(_GET_JOB, {"b_id": job_id}).one_or_none()

@@ -88,8 +88,10 @@ def test_a_group_of_jobs_goes_to_redis_in_one_round_trip(tmp_path: Path) -> None
         before = int(client.info("stats")["total_reads_processed"])
         enqueue_jobs(celery, jobs[1:], headers=[{"n": str(i)} for i in range(1, len(jobs))])
         reads = int(client.info("stats")["total_reads_processed"]) - before
-        # One LPUSH round trip per message made 50 reads here (and more with the stats call).
-        assert reads <= 10, f"{reads} reads by Redis to enqueue {len(jobs) - 1} jobs"
+        # One LPUSH round trip per message made 53 reads here. In one pipeline the 50 messages
+        # (about 50 KB) take Redis a few reads of at most 16 KB each: 6 on a quiet host, 12 on
+        # a busy one, where the bytes arrive in more pieces.
+        assert reads <= 25, f"{reads} reads by Redis to enqueue {len(jobs) - 1} jobs"
         basic = [json.loads(m) for m in client.lrange(keys.queue_name(Tier.BASIC), 0, -1)]
         assert [m["headers"]["argsrepr"] for m in reversed(basic)] == [
             f"['job-{i}']" for i in range(50)

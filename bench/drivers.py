@@ -175,6 +175,14 @@ async def drive_pipeline(
     ]
     server_span_s = max(finished) - min(c.timestamp() for c in created) if ok else 0.0
     queue_s = [job["timings"]["queue_s"] for job in ok if job["timings"]["queue_s"] is not None]
+    # First job created → last job started by the worker: how long the engine waited for the
+    # whole workload to reach it (the engine alone has every request from its first submit).
+    started = [
+        created_at.timestamp() + job["timings"]["queue_s"]
+        for job, created_at in zip(ok, created, strict=True)
+        if job["timings"]["queue_s"] is not None
+    ]
+    start_span_s = max(started) - min(c.timestamp() for c in created) if started else 0.0
     return ModeResult(
         mode="inferq pipeline" if batch_size is None else f"inferq, batches of {batch_size}",
         jobs=len(finals),
@@ -186,6 +194,7 @@ async def drive_pipeline(
         extra={
             "submit_phase_s": round(submit_phase_s, 4),
             "server_span_s": round(server_span_s, 4),
+            "start_span_s": round(start_span_s, 4),
             "statuses": dict(statuses),
             "queue_p50_ms": round(percentile(queue_s, 50) * 1000, 2),
         },

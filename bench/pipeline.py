@@ -315,7 +315,7 @@ def summarize(rounds: Rounds, startup: Startup) -> dict[str, Any]:
         print(
             f"{pipeline.mode}: added TTFT p50 = {added_ttft_ms[pipeline.mode]:.0f} ms; last "
             f"submission answered {pipeline.extra['submit_phase_s']:.2f} s; first created → last "
-            "finished "
+            f"started {pipeline.extra['start_span_s']:.2f} s, → last finished "
             f"{pipeline.extra['server_span_s']:.2f} s"
         )
     for result in results:

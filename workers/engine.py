@@ -1,7 +1,7 @@
 """The vLLM engine adapter: one AsyncLLM on an event loop in a background thread.
 
-Celery's task threads call `submit`, which schedules the generation on the loop and returns a
-future; vLLM batches every request in flight (continuous batching). The engine hands each
+The runner's starter thread calls `submit`, which schedules the generation on the loop and
+returns a future; vLLM batches every request in flight (continuous batching). The engine hands each
 request's text over every `stream_tokens` tokens; it is collected per engine step and handed to
 the delta sink once per step (at most once per `stream_interval_ms`), never once per token.
 This is the only module that imports vLLM, and it is imported only after the worker has pinned

@@ -151,7 +151,9 @@ def run_worker(
         **app.conf.broker_transport_options,
         "edge_batch": settings.edge_batch,
     }
-    register_tasks(app, runner)
+    # Each message's job goes straight to the runner, unless task events need Celery's own
+    # per-task requests (see workers.tasks).
+    register_tasks(app, runner, direct=not settings.task_events)
     worker = app.Worker(
         hostname=node_name,
         pool="threads",
@@ -168,6 +170,12 @@ def run_worker(
     )
     try:
         worker.start()
+        # Celery has stopped taking messages; the jobs it handed over finish here (their
+        # leases renewed meanwhile). Their messages went back to the queue when Celery's
+        # connection closed, and whoever takes them again skips these jobs.
+        if not runner.drain(timeout_s=0):
+            log.info("worker %s: waiting for the jobs in flight", node_name)
+            runner.drain()
     finally:
         heartbeat.stopped.set()
         listener.stopped.set()

@@ -7,6 +7,8 @@ The engine's own figures (KV-cache use, waiting requests) come from a vLLM stat 
 from __future__ import annotations
 
 import logging
+import threading
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -24,6 +26,29 @@ from core.models import as_utc
 from core.states import JobStatus
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    """Counters a worker keeps about itself; published to Redis by its heartbeat."""
+
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    engine_requests: int = 0
+    merged: int = 0
+    skipped: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def as_mapping(self) -> dict[str | bytes | bytearray | memoryview | int | float, int]:
+        """The counters, as written to the worker's stats hash."""
+        with self.lock:
+            return {
+                "in_flight": self.in_flight,
+                "peak_in_flight": self.peak_in_flight,
+                "engine_requests": self.engine_requests,
+                "merged": self.merged,
+                "skipped": self.skipped,
+            }
 
 
 def observe_start(tier: str, created_at: datetime, started_at: datetime) -> None:

@@ -75,6 +75,12 @@ class OutcomeRecorder:
 
     def record(self, job: Job, result: GenerationResult, lease_token: str) -> JobStatus | None:
         """Store and publish the outcome, release the lease; None if the attempt was superseded."""
+        return self.record_async(job, result, lease_token).result()
+
+    def record_async(
+        self, job: Job, result: GenerationResult, lease_token: str
+    ) -> Future[JobStatus | None]:
+        """`record` without waiting: the future resolves once the outcome is stored."""
         ticket: Future[JobStatus | None] = Future()
         self._finished.put(
             _Finished(
@@ -88,7 +94,7 @@ class OutcomeRecorder:
                 job.cache_key,
             )
         )
-        return ticket.result()
+        return ticket
 
     def _loop(self) -> None:
         while True:

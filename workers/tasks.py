@@ -1,21 +1,37 @@
-"""The Celery task: the message carries a job id, the runner does the rest."""
+"""The Celery task: the message carries a job id, the runner does the rest.
+
+By default the worker's consumer hands each message's job straight to the runner
+(`direct_strategy`, a Celery task strategy) and acknowledges the message once the job's
+outcome is stored: no request object, pool thread or per-task bookkeeping for each job. Celery's
+own strategy, which runs `JobRunner.run` in a pool thread per job, is used only with task events
+on (Flower's task pages are built from the events it sends).
+"""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 from celery import Celery, Task
 from opentelemetry.trace import SpanKind
 
+from core.states import JobStatus
 from core.tracing import context_from, tracer
 from scheduler.queues import RUN_JOB_TASK
 from workers.runner import JobRunner
 
+log = logging.getLogger(__name__)
+
 TRACE_HEADERS = ("traceparent", "tracestate")
 
 
-def register_tasks(app: Celery, runner: JobRunner) -> None:
-    """Bind `inferq.run_job` on `app` to `runner`."""
+def register_tasks(app: Celery, runner: JobRunner, *, direct: bool = True) -> None:
+    """Bind `inferq.run_job` on `app` to `runner` (see the module docstring for `direct`)."""
+    options: dict[str, Any] = {"Strategy": partial(direct_strategy, runner)} if direct else {}
 
-    @app.task(name=RUN_JOB_TASK, ignore_result=True, bind=True)
+    @app.task(name=RUN_JOB_TASK, ignore_result=True, bind=True, **options)
     def run_job(self: Task, job_id: str) -> str | None:
         parent = context_from({name: self.request.get(name) for name in TRACE_HEADERS})
         with tracer().start_as_current_span(
@@ -25,3 +41,39 @@ def register_tasks(app: Celery, runner: JobRunner) -> None:
             status = runner.run(job_id)
             span.set_attribute("inferq.status", status.value if status else "skipped")
         return status.value if status is not None else None
+
+
+def direct_strategy(
+    runner: JobRunner, task: Task, app: Celery, consumer: Any, **_: Any
+) -> Callable[..., None]:
+    """A Celery task strategy: each message's job goes to `runner.submit` at once.
+
+    The message is acknowledged when the job has ended (its outcome stored, or skipped), so
+    the worker's prefetch limit still bounds the jobs it holds, and a worker lost meanwhile
+    leaves the message to be redelivered. A message without a job id is rejected (dropped).
+    """
+    errors = consumer.connection_errors
+
+    def on_message(message: Any, _body: Any, ack: Any, reject: Any, *_: Any, **__: Any) -> None:
+        try:
+            args = message.decode()[0]
+            job_id = args[0]
+            if not isinstance(job_id, str):
+                raise TypeError(f"job id {job_id!r} is not a string")
+        except Exception as exc:  # nothing to run: a redelivery would fail the same way
+            log.error("dropping a malformed %s message: %s", RUN_JOB_TASK, exc)
+            reject(log, errors)
+            return
+        span = tracer().start_span(
+            "inferq.run_job", context=context_from(message.headers or {}), kind=SpanKind.CONSUMER
+        )
+        span.set_attribute("inferq.job_id", job_id)
+        runner.submit(job_id, partial(_ended, span, partial(ack, log, errors)))
+
+    return on_message
+
+
+def _ended(span: Any, ack: Callable[[], None], status: JobStatus | None) -> None:
+    span.set_attribute("inferq.status", status.value if status else "skipped")
+    span.end()
+    ack()

@@ -1,4 +1,5 @@
-"""A worker killed with SIGKILL mid-generation loses nothing and duplicates nothing.
+"""A worker killed with SIGKILL mid-generation loses nothing and duplicates nothing; one
+stopped with SIGTERM finishes what it runs.
 
 A second worker (the victim) runs beside the stack's own; each trial kills the victim's whole
 process group while it generates, and the scheduler's lease reaper hands its jobs to the
@@ -8,6 +9,7 @@ surviving worker.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -162,3 +164,30 @@ def test_a_cancelled_queued_job_never_runs_across_a_worker_restart(
     assert after["status"] == "cancelled"
     assert after["attempt"] == 0 and after["timings"]["queue_s"] is None
     assert live_workers(stack.redis)[VICTIM]["engine_requests"] == 0
+
+
+def test_sigterm_lets_the_jobs_in_flight_finish(stack: Stack, victim: Victim) -> None:
+    """A warm shutdown takes no new jobs and ends those it runs in the engine, each once."""
+    key = stack.create_key(Tier.PREMIUM)
+    tokens = 1500  # long enough to be mid-generation when the signal comes
+    with survivor_paused(stack):
+        jobs = [
+            stack.submit(key, prompt=f"Drain {i}.", max_tokens=tokens, ignore_eos=True)
+            for i in range(JOBS_PER_TRIAL)
+        ]
+        deadline = time.monotonic() + 60
+        while len(_started_on_victim(stack, jobs)) < JOBS_PER_TRIAL:
+            assert time.monotonic() < deadline, "the jobs did not all start on the victim"
+            time.sleep(0.2)
+        assert victim.process is not None
+        os.kill(victim.process.pid, signal.SIGTERM)  # the worker only, as a supervisor would
+        running_at_signal = _on_victim(stack, jobs)
+        assert victim.process.wait(timeout=300) == 0
+    assert running_at_signal, "every job ended before the signal: nothing was drained"
+    with stack.client(key) as client:
+        finished = [wait_final(client, job["id"], timeout_s=30) for job in jobs]
+    assert [job["status"] for job in finished] == ["succeeded"] * JOBS_PER_TRIAL, finished
+    assert all(job["usage"]["completion_tokens"] == tokens for job in finished)
+    # Each ran once, to its end, on the worker that was stopping.
+    rows = _workers_of(stack, [job["id"] for job in jobs])
+    assert {row[1:] for row in rows.values()} == {(VICTIM, 1)}, rows

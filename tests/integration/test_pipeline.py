@@ -81,6 +81,16 @@ def test_64_jobs_run_concurrently_in_the_engine(stack: Stack) -> None:
     # Seen from the jobs' own timestamps, and from the worker's own count.
     assert _max_overlap(finished) >= 16
     assert stack.worker_stats()["peak_in_flight"] >= 16
+    # A job in flight is a place in the engine, not a thread: after 64 jobs, 32 at a time, the
+    # worker has fewer threads than it runs jobs at once (a thread per job would pass that).
+    assert _threads(stack.local.processes) < WORKER_CONCURRENCY
+
+
+def _threads(processes: list[tuple[str, Any]]) -> int:
+    """How many threads the stack's worker process has now."""
+    pid = dict(processes)["worker"].pid
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
 
 
 def _fill_worker(stack: Stack, key: str) -> list[dict[str, Any]]:

@@ -1,0 +1,256 @@
+"""Starting jobs in batches: the half of `JobRunner` that claims jobs and puts them in the engine.
+
+One starter thread takes every job waiting to start and claims, checks and starts them together
+(one read, one Redis round trip, one UPDATE … RETURNING, one more round trip to announce them),
+so a burst of jobs costs a few round trips rather than a few per job.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import redis
+from redis.commands.core import Script
+from sqlalchemy.exc import OperationalError
+
+from core import keys
+from core.events import EventPublisher
+from core.jobs import JobStore
+from core.logs import job_fields
+from core.metrics import JOBS_MERGED
+from core.models import Job, as_utc
+from core.settings import Settings
+from core.states import JobStatus
+from core.tiers import engine_priority
+from workers.generation import GenerationRequest, GenerationResult
+from workers.merging import MergingEngine
+from workers.metrics import WorkerStats, observe_ended_unrun, observe_start
+from workers.outcomes import OutcomeRecorder
+from workers.streams import DeltaPublisher
+
+log = logging.getLogger(__name__)
+
+MAX_START_BATCH = 256
+UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, OperationalError)
+"""Errors of a service that is out for now; starting again later may work."""
+
+
+@dataclass
+class Started:
+    """A job the starter put into the engine."""
+
+    job: Job
+    token: str
+    request_id: str
+    generation: Future[GenerationResult]
+
+
+# What the starter answers for one job: started, ended without the engine, or skipped (None).
+StartOutcome = Started | JobStatus | None
+
+
+class JobStarting:
+    """The starter thread's work; mixed into `JobRunner`, which owns the state it uses."""
+
+    settings: Settings
+    store: JobStore
+    engine: MergingEngine
+    redis: redis.Redis
+    worker_name: str
+    publisher: EventPublisher
+    stats: WorkerStats
+    deltas: DeltaPublisher | None
+    outcomes: OutcomeRecorder
+    _release: Script
+    _running: dict[str, str]
+    _to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]]
+
+    def watch(self, job_id: str) -> None:
+        raise NotImplementedError
+
+    def cancel(self, job_id: str) -> bool:
+        raise NotImplementedError
+
+    def _start_loop(self) -> None:
+        while True:
+            batch = [self._to_start.get()]
+            while len(batch) < MAX_START_BATCH:
+                try:
+                    batch.append(self._to_start.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                answers = self._start_batch([job_id for job_id, _ in batch])
+            except Exception as exc:  # every job of the batch hears about it
+                if isinstance(exc, UNAVAILABLE):
+                    log.warning("could not start a batch of %d jobs: %s", len(batch), exc)
+                else:
+                    log.exception("could not start a batch of %d jobs", len(batch))
+                for _, ticket in batch:
+                    ticket.set_exception(exc)
+                continue
+            for job_id, ticket in batch:
+                # A duplicate message in the same batch is skipped: only the first one runs.
+                ticket.set_result(answers.pop(job_id, None))
+
+    def _start_batch(self, job_ids: list[str]) -> dict[str, StartOutcome]:
+        """Claim, check and start the given jobs; the answer for each id (absent: skipped)."""
+        ids = list(dict.fromkeys(job_ids))  # a duplicate in one batch is skipped like any other
+        jobs = self.store.get_many(ids)
+        for job_id in set(ids) - set(jobs):
+            log.warning("job %s is not in the database; dropping its message", job_id)
+        live = [i for i in ids if i in jobs and not JobStatus(jobs[i].status).is_final]
+        answers: dict[str, StartOutcome] = {}
+        tokens = {job_id: f"{self.worker_name}:{time.monotonic_ns()}" for job_id in live}
+        lease_ms = int(self.settings.lease_ttl_s * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in live:
+            pipe.set(keys.job_lease(job_id), tokens[job_id], nx=True, px=lease_ms)
+            pipe.exists(keys.job_cancel_flag(job_id))
+        replies = pipe.execute()
+        # Claimed here (a live worker holds the others), and whether a cancel was asked for.
+        claimed = {
+            job_id: bool(replies[2 * index + 1])
+            for index, job_id in enumerate(live)
+            if replies[2 * index]
+        }
+        try:
+            started = self._start_claimed(jobs, claimed, answers)
+        except Exception:
+            # Nothing started: free the leases, or a retry would find the jobs "running".
+            for job_id in claimed:
+                self._release_lease(job_id, tokens[job_id])
+            raise
+        for job in started.values():
+            observe_start(job.tier, job.created_at, job.started_at or job.created_at)
+        for job_id in claimed:
+            if job_id not in started:  # ended without the engine, or meanwhile
+                self._release_lease(job_id, tokens[job_id])
+        # Announced before they are submitted, so a job's running event precedes its deltas.
+        self._announce_starts(list(started.values()))
+        for job in started.values():
+            generation = self._submit(job)
+            answers[job.id] = Started(job, tokens[job.id], self._running[job.id], generation)
+        self._catch_early_flags(list(started))
+        with self.stats.lock:
+            self.stats.skipped += len(ids) - len(answers) + (len(job_ids) - len(ids))
+        return answers
+
+    def _start_claimed(
+        self, jobs: dict[str, Job], claimed: dict[str, bool], answers: dict[str, StartOutcome]
+    ) -> dict[str, Job]:
+        """End the claimed jobs that must not run (into `answers`); start the others."""
+        to_start = []
+        for job_id, cancel_requested in claimed.items():
+            ended = self._end_without_engine(jobs[job_id], cancel_requested)
+            if ended is not None:
+                answers[job_id] = ended
+            else:
+                to_start.append(job_id)
+        return {job.id: job for job in self.store.start_attempts(to_start, self.worker_name)}
+
+    def _end_without_engine(self, job: Job, cancel_requested: bool) -> JobStatus | None:
+        """Cancel or expire a claimed job that must not run; None if it should start."""
+        if cancel_requested and self.store.cancel_if_queued(job.id):
+            observe_ended_unrun(job.tier, JobStatus.CANCELLED)
+            self.outcomes.publish_final(job.id, JobStatus.CANCELLED)
+            return JobStatus.CANCELLED
+        if _queue_expired(job) and self.store.expire_if_queued(job.id):
+            observe_ended_unrun(job.tier, JobStatus.TIMED_OUT)
+            self.outcomes.publish_final(job.id, JobStatus.TIMED_OUT, error_code="queue_timeout")
+            return JobStatus.TIMED_OUT
+        return None
+
+    def _submit(self, job: Job) -> Future[GenerationResult]:
+        request = GenerationRequest(
+            request_id=f"{job.id}-{job.attempt}",
+            prompt=job.prompt,
+            sampling=dict(job.sampling_params),
+            priority=engine_priority(self.settings.tier_policy(job.tier)),
+            timeout_s=max(_remaining_s(job), 0.001),
+            job_id=job.id,
+            attempt=job.attempt,
+        )
+        self._running[job.id] = request.request_id
+        generation, merged = self.engine.submit_merging(request)
+        with self.stats.lock:
+            self.stats.in_flight += 1
+            self.stats.engine_requests += 0 if merged else 1
+            self.stats.merged += 1 if merged else 0
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
+        if merged:
+            JOBS_MERGED.labels(job.tier).inc()
+        log.info(
+            "job %s started: attempt %d, tier %s%s",
+            job.id,
+            job.attempt,
+            job.tier,
+            ", merged with an identical job" if merged else "",
+            extra=job_fields(job.id, job.tier, attempt=job.attempt),
+        )
+        return generation
+
+    def _announce_starts(self, jobs: list[Job]) -> None:
+        """Queue the running events on the delta channel, ahead of any delta of these runs."""
+        if not jobs:
+            return
+        events = [
+            (job.id, "status", {"status": JobStatus.RUNNING.value, "attempt": job.attempt})
+            for job in jobs
+        ]
+        if self.deltas is not None:
+            self.deltas.publish_events(events)
+            return
+        try:
+            self.publisher.publish_many(events)
+        except redis.RedisError:  # best effort: the runs go on
+            log.warning("could not announce %d job starts", len(jobs), exc_info=True)
+
+    def _catch_early_flags(self, job_ids: list[str]) -> None:
+        """Abort jobs whose cancel, and watch jobs whose reader, came before they ran here.
+
+        The jobs are in `_running` and the engine already, so every cancel or watch is seen
+        either here or by the control listener. Best effort: a Redis outage leaves them running,
+        their deltas held until they end.
+        """
+        if not job_ids:
+            return
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for job_id in job_ids:
+                pipe.exists(keys.job_cancel_flag(job_id))
+                pipe.exists(keys.job_watched(job_id))
+            flags = pipe.execute()
+        except redis.RedisError:
+            log.warning(
+                "could not check %d jobs for cancels and readers", len(job_ids), exc_info=True
+            )
+            return
+        for index, job_id in enumerate(job_ids):
+            if flags[2 * index]:
+                self.cancel(job_id)
+            if flags[2 * index + 1]:
+                self.watch(job_id)
+
+    def _release_lease(self, job_id: str, token: str) -> None:
+        try:
+            self._release(keys=[keys.job_lease(job_id)], args=[token])
+        except redis.RedisError:  # it lapses by itself
+            log.warning("job %s: could not release its lease", job_id, exc_info=True)
+
+
+def _queue_expired(job: Job) -> bool:
+    """Whether the job waited past its queue deadline (or its total deadline)."""
+    if job.queue_deadline_at is not None and as_utc(job.queue_deadline_at) <= datetime.now(UTC):
+        return True
+    return _remaining_s(job) <= 0
+
+
+def _remaining_s(job: Job) -> float:
+    """Seconds left before the job's deadline (negative once it has passed)."""
+    return job.timeout_s - (datetime.now(UTC) - as_utc(job.created_at)).total_seconds()

@@ -1,4 +1,5 @@
-"""A worker's Prometheus side: its metrics port, what it observes about jobs, device memory.
+"""A worker's Prometheus side: its metrics port, what it observes about jobs, device memory,
+and the counters its heartbeat publishes to Redis (`WorkerStats`).
 
 The engine's own figures (KV-cache use, waiting requests) come from a vLLM stat logger in
 `workers.engine`; everything here works without importing vLLM.

@@ -71,9 +71,11 @@ class JobStarting:
     _to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]]
 
     def watch(self, job_id: str) -> None:
+        """Publish the job's deltas live (`JobRunner.watch`)."""
         raise NotImplementedError
 
     def cancel(self, job_id: str) -> bool:
+        """Abort the job's run here (`JobRunner.cancel`)."""
         raise NotImplementedError
 
     def _start_loop(self) -> None:

@@ -169,21 +169,28 @@ def test_a_cancelled_queued_job_never_runs_across_a_worker_restart(
 def test_sigterm_lets_the_jobs_in_flight_finish(stack: Stack, victim: Victim) -> None:
     """A warm shutdown takes no new jobs and ends those it runs in the engine, each once."""
     key = stack.create_key(Tier.PREMIUM)
-    tokens = 1500  # long enough to be mid-generation when the signal comes
+    tokens = 2048  # the premium cap: long enough to be mid-generation when the signal comes
     with survivor_paused(stack):
-        jobs = [
-            stack.submit(key, prompt=f"Drain {i}.", max_tokens=tokens, ignore_eos=True)
-            for i in range(JOBS_PER_TRIAL)
-        ]
-        deadline = time.monotonic() + 60
-        while len(_started_on_victim(stack, jobs)) < JOBS_PER_TRIAL:
-            assert time.monotonic() < deadline, "the jobs did not all start on the victim"
-            time.sleep(0.2)
+        # A set that ended before the signal could be sent (a stalled test process on a busy
+        # host) says nothing about the drain: it is run out and a new one submitted.
+        for attempt in range(3):
+            jobs = [
+                stack.submit(
+                    key, prompt=f"Drain {attempt}, {i}.", max_tokens=tokens, ignore_eos=True
+                )
+                for i in range(JOBS_PER_TRIAL)
+            ]
+            deadline = time.monotonic() + 60
+            while len(_started_on_victim(stack, jobs)) < JOBS_PER_TRIAL:
+                assert time.monotonic() < deadline, "the jobs did not all start on the victim"
+                time.sleep(0.05)
+            running_at_signal = _on_victim(stack, jobs)
+            if running_at_signal:
+                break
+        assert running_at_signal, "every set of jobs ended before the signal could be sent"
         assert victim.process is not None
         os.kill(victim.process.pid, signal.SIGTERM)  # the worker only, as a supervisor would
-        running_at_signal = _on_victim(stack, jobs)
         assert victim.process.wait(timeout=300) == 0
-    assert running_at_signal, "every job ended before the signal: nothing was drained"
     with stack.client(key) as client:
         finished = [wait_final(client, job["id"], timeout_s=30) for job in jobs]
     assert [job["status"] for job in finished] == ["succeeded"] * JOBS_PER_TRIAL, finished

@@ -250,10 +250,13 @@ class ExtraWorker:
     It runs in its own process group, so a kill takes its engine core with it.
     """
 
-    def __init__(self, stack: Stack, name: str, concurrency: int = 8) -> None:
+    def __init__(
+        self, stack: Stack, name: str, concurrency: int = 8, env: dict[str, str] | None = None
+    ) -> None:
         self.stack = stack
         self.name = name
         self.concurrency = concurrency
+        self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
         self.log = stack.local.settings.data_dir.resolve() / "logs" / f"{name.split('@')[0]}.log"
 
@@ -269,7 +272,7 @@ class ExtraWorker:
                 self.name,
                 "--metrics-port=0",
             ],
-            env=self.stack.local.env,
+            env={**self.stack.local.env, **self.env},
             stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT,
             start_new_session=True,

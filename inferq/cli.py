@@ -317,9 +317,10 @@ def up(port: int, flower_port: int) -> None:
 
     settings = _settings()
     stack = LocalStack(settings)
-    # Ctrl-C or SIGTERM stops everything, even where SIGINT came in ignored (a process started
-    # in the background by a non-interactive shell inherits that, and Python keeps it).
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    # Ctrl-C, SIGTERM or a closed terminal stops everything, even where SIGINT came in ignored
+    # (a process started in the background by a non-interactive shell inherits that, and
+    # Python keeps it). The children run in process groups of their own (see LocalStack.start).
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)
     try:
         redis_url = stack.ensure_redis()

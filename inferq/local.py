@@ -74,11 +74,18 @@ class LocalStack:
         raise SystemExit("The local redis-server did not start.")
 
     def start(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
-        """Start a child process with the stack's environment."""
+        """Start a child process with the stack's environment, in a process group of its own.
+
+        A Ctrl-C at the terminal signals the whole foreground group at once; it would stop
+        Redis and vLLM's engine core while the worker still drains its jobs. In their own
+        groups the children hear it from `stop` alone, newest first.
+        """
         log_dir = self.settings.data_dir.resolve() / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log_file = (log_dir / f"{name}.log").open("ab")
-        process = subprocess.Popen(command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, process_group=0
+        )
         self.processes.append((name, process))
         return process
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,6 +35,23 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid`, read from /proc (`up`'s children run in groups of their own)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
 def _get_when_up(url: str, **kwargs: Any) -> httpx.Response:
     deadline = time.monotonic() + 60
     while True:
@@ -64,7 +82,7 @@ def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_d
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=True,  # its own process group, so a failed test can clean it all up
+        start_new_session=True,  # its own process group, as a shell gives a foreground command
     )
     output: list[str] = []
     try:
@@ -129,11 +147,14 @@ def test_up_brings_the_system_up_and_submit_returns_text(tmp_path: Path, model_d
             time.sleep(0.05)
     finally:
         interrupted_at = datetime.now(UTC)
-        up.send_signal(signal.SIGINT)
+        # As a terminal's Ctrl-C does: SIGINT to the whole foreground process group.
+        os.killpg(up.pid, signal.SIGINT)
         try:
             code = up.wait(timeout=90)
         except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
+            for pid in [up.pid, *_descendants(up.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             raise
     assert code == 0
     # The worker's warm shutdown let the running job finish before the engine went down.

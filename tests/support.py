@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import psycopg
@@ -286,6 +286,23 @@ class ExtraWorker:
             )
             assert time.monotonic() < deadline, f"worker {self.name} did not start"
             time.sleep(0.5)
+
+    @contextmanager
+    def running(self) -> Iterator[Self]:
+        """Started and ready for the block; afterwards killed and gone from the live workers.
+
+        Killed, not stopped: a warm shutdown can take a minute (engine teardown), and nothing
+        of the worker needs to survive the test.
+        """
+        self.start()
+        try:
+            self.wait_ready()
+            yield self
+        finally:
+            if self.process is not None and self.process.poll() is None:
+                self.kill()
+            while self.name in live_workers(self.stack.redis):
+                time.sleep(0.5)
 
     def kill(self) -> None:
         assert self.process is not None

@@ -43,18 +43,8 @@ class Victim(ExtraWorker):
 
 @pytest.fixture
 def victim(stack: Stack) -> Iterator[Victim]:
-    worker = Victim(stack)
-    worker.start()
-    try:
-        worker.wait_ready()
+    with Victim(stack).running() as worker:
         yield worker
-    finally:
-        # Killed, not stopped: a warm shutdown can take a minute (engine teardown), and
-        # nothing of the victim needs to survive the test.
-        if worker.process is not None and worker.process.poll() is None:
-            worker.kill()
-        while VICTIM in live_workers(stack.redis):
-            time.sleep(0.5)
 
 
 def survivor_paused(stack: Stack) -> AbstractContextManager[None]:
@@ -94,6 +84,20 @@ def _started_on_victim(stack: Stack, jobs: list[dict[str, Any]]) -> list[str]:
     return [job_id for job_id, (_, worker, _) in rows.items() if worker == VICTIM]
 
 
+def _run_on_victim(stack: Stack, key: str, label: str, tokens: int) -> list[dict[str, Any]]:
+    """Submit a set of jobs (the survivor paused) and wait until the victim has started every
+    one (it has a slot for each), none merely reserved."""
+    jobs = [
+        stack.submit(key, prompt=f"{label}, {i}.", max_tokens=tokens, ignore_eos=True)
+        for i in range(JOBS_PER_TRIAL)
+    ]
+    deadline = time.monotonic() + 60
+    while len(_started_on_victim(stack, jobs)) < JOBS_PER_TRIAL:
+        assert time.monotonic() < deadline, "the jobs did not all start on the victim"
+        time.sleep(0.05)
+    return jobs
+
+
 def _trials(stack: Stack) -> int:
     """Twenty kills on PostgreSQL (the production database), three on SQLite."""
     return int(os.environ.get("INFERQ_TEST_KILL_TRIALS", 0)) or (
@@ -108,17 +112,7 @@ def test_sigkill_mid_generation_loses_and_duplicates_nothing(stack: Stack, victi
     with stack.client(key) as client:
         for trial in range(_trials(stack)):
             with survivor_paused(stack):
-                jobs = [
-                    stack.submit(
-                        key, prompt=f"Trial {trial}, {i}.", max_tokens=TOKENS, ignore_eos=True
-                    )
-                    for i in range(JOBS_PER_TRIAL)
-                ]
-                # Every job started on the victim (it has a slot for each), none merely reserved.
-                deadline = time.monotonic() + 60
-                while len(_started_on_victim(stack, jobs)) < JOBS_PER_TRIAL:
-                    assert time.monotonic() < deadline, "the jobs did not all start on the victim"
-                    time.sleep(0.2)
+                jobs = _run_on_victim(stack, key, f"Trial {trial}", TOKENS)
                 victim.kill()
             # Those still running on it when it died (one may have finished just before).
             on_victim = _on_victim(stack, jobs)
@@ -174,16 +168,7 @@ def test_sigterm_lets_the_jobs_in_flight_finish(stack: Stack, victim: Victim) ->
         # A set that ended before the signal could be sent (a stalled test process on a busy
         # host) says nothing about the drain: it is run out and a new one submitted.
         for attempt in range(3):
-            jobs = [
-                stack.submit(
-                    key, prompt=f"Drain {attempt}, {i}.", max_tokens=tokens, ignore_eos=True
-                )
-                for i in range(JOBS_PER_TRIAL)
-            ]
-            deadline = time.monotonic() + 60
-            while len(_started_on_victim(stack, jobs)) < JOBS_PER_TRIAL:
-                assert time.monotonic() < deadline, "the jobs did not all start on the victim"
-                time.sleep(0.05)
+            jobs = _run_on_victim(stack, key, f"Drain {attempt}", tokens)
             running_at_signal = _on_victim(stack, jobs)
             if running_at_signal:
                 break

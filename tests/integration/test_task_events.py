@@ -15,7 +15,6 @@ from sqlalchemy import select
 
 from core.models import Job
 from core.tiers import Tier
-from core.workerinfo import live_workers
 from scheduler.queues import make_celery_app
 from tests.support import ExtraWorker, Stack, wait_final, worker_paused
 
@@ -27,15 +26,8 @@ TOKENS = 600
 @pytest.fixture
 def events_worker(stack: Stack) -> Iterator[ExtraWorker]:
     worker = ExtraWorker(stack, NAME, concurrency=4, env={"INFERQ_TASK_EVENTS": "true"})
-    worker.start()
-    try:
-        worker.wait_ready()
+    with worker.running():
         yield worker
-    finally:
-        if worker.process is not None and worker.process.poll() is None:
-            worker.kill()
-        while NAME in live_workers(stack.redis):
-            time.sleep(0.5)
 
 
 class EventLog(threading.Thread):

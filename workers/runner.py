@@ -83,6 +83,7 @@ class JobRunner(JobStarting):
         self._idle = threading.Condition()
         # job id → engine request id, for every job this worker is running
         self._running: dict[str, str] = {}
+        self._stale_leases: dict[str, list[str]] = {}
         self._to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]] = queue.SimpleQueue()
         self._starter = threading.Thread(
             target=self._start_loop, name="inferq-starter", daemon=True
@@ -100,7 +101,7 @@ class JobRunner(JobStarting):
         """
         with self._idle:
             self._outstanding += 1
-        self._begin(job_id, partial(self._ended, on_end), START_RETRY_FIRST_DELAY_S)
+        self._begin(job_id, _Once(partial(self._ended, on_end)), START_RETRY_FIRST_DELAY_S)
 
     def run(self, job_id: str) -> JobStatus | None:
         """`submit`, and wait: the job's final status, or None if skipped."""
@@ -139,6 +140,22 @@ class JobRunner(JobStarting):
         delay_s: float,
         ticket: Future[StartOutcome],
     ) -> None:
+        # Each step of the chain runs as a future's callback, whose exceptions
+        # concurrent.futures logs and drops: one that escaped would leave the job's message
+        # unacknowledged and `drain` waiting for good, so the job ends (None) instead.
+        try:
+            self._go_on_from_start(job_id, ended, delay_s, ticket)
+        except Exception:
+            log.exception("job %s: could not go on from its start", job_id)
+            ended(None)
+
+    def _go_on_from_start(
+        self,
+        job_id: str,
+        ended: Callable[[JobStatus | None], None],
+        delay_s: float,
+        ticket: Future[StartOutcome],
+    ) -> None:
         error = ticket.exception()
         if isinstance(error, UNAVAILABLE):
             log.warning("job %s: could not start, retrying in %.1fs: %s", job_id, delay_s, error)
@@ -170,13 +187,17 @@ class JobRunner(JobStarting):
             del self._running[job.id]
         with self.stats.lock:
             self.stats.in_flight -= 1
-        error = generation.exception()
-        if error is not None:
-            log.error("job %s: its run broke off", job.id, exc_info=error)
+        try:
+            error = generation.exception()
+            if error is not None:
+                log.error("job %s: its run broke off", job.id, exc_info=error)
+                ended(None)
+                return
+            recorded = self.outcomes.record_async(job, generation.result(), started.token)
+            recorded.add_done_callback(partial(_on_recorded, job.id, ended))
+        except Exception:  # see `_on_start`: its lease lapses and the reaper hands it on
+            log.exception("job %s: could not hand its outcome over", job.id)
             ended(None)
-            return
-        recorded = self.outcomes.record_async(job, generation.result(), started.token)
-        recorded.add_done_callback(partial(_on_recorded, job.id, ended))
 
     def watch(self, job_id: str) -> None:
         """Publish the job's deltas live from now on, if it runs here (a reader follows it)."""
@@ -231,3 +252,21 @@ def _on_recorded(
         ended(None)
         return
     ended(recorded.result())
+
+
+class _Once:
+    """A job's `ended`: the first call counts, and any later one (after a step of the chain
+    raised past it) is ignored, so its message is acknowledged once and `drain` counts it once.
+    """
+
+    __slots__ = ("_callback", "_called")
+
+    def __init__(self, callback: Callable[[JobStatus | None], None]) -> None:
+        self._callback = callback
+        self._called = False
+
+    def __call__(self, status: JobStatus | None) -> None:
+        if self._called:
+            return
+        self._called = True
+        self._callback(status)

@@ -68,6 +68,9 @@ class JobStarting:
     outcomes: OutcomeRecorder
     _release: Script
     _running: dict[str, str]
+    # job id → lease tokens this worker may hold without knowing it (a claim or a release
+    # whose reply was lost); freed before the job is claimed again.
+    _stale_leases: dict[str, list[str]]
     _to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]]
 
     def watch(self, job_id: str) -> None:
@@ -109,17 +112,29 @@ class JobStarting:
         live = [i for i in ids if i in jobs and not JobStatus(jobs[i].status).is_final]
         answers: dict[str, StartOutcome] = {}
         tokens = {job_id: f"{self.worker_name}:{time.monotonic_ns()}" for job_id in live}
+        stale = {i: self._stale_leases.pop(i) for i in live if i in self._stale_leases}
         lease_ms = int(self.settings.lease_ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=False)
+        offsets: dict[str, int] = {}  # where each job's SET reply is
         for job_id in live:
+            for token in stale.get(job_id, ()):
+                self._release(keys=[keys.job_lease(job_id)], args=[token], client=pipe)
+            offsets[job_id] = len(pipe)
             pipe.set(keys.job_lease(job_id), tokens[job_id], nx=True, px=lease_ms)
             pipe.exists(keys.job_cancel_flag(job_id))
-        replies = pipe.execute()
+        try:
+            replies = pipe.execute()
+        except redis.RedisError:
+            # Redis may have set some leases before the reply was lost: were they kept, the
+            # retry would take this worker's own lease for another's and skip the jobs.
+            for job_id in live:
+                self._stale_leases[job_id] = [*stale.get(job_id, ()), tokens[job_id]]
+            raise
         # Claimed here (a live worker holds the others), and whether a cancel was asked for.
         claimed = {
-            job_id: bool(replies[2 * index + 1])
-            for index, job_id in enumerate(live)
-            if replies[2 * index]
+            job_id: bool(replies[offsets[job_id] + 1])
+            for job_id in live
+            if replies[offsets[job_id]]
         }
         try:
             started = self._start_claimed(jobs, claimed, answers)
@@ -135,10 +150,18 @@ class JobStarting:
                 self._release_lease(job_id, tokens[job_id])
         # Announced before they are submitted, so a job's running event precedes its deltas.
         self._announce_starts(list(started.values()))
+        submitted = []
         for job in started.values():
-            generation = self._submit(job)
+            try:
+                generation = self._submit(job)
+            except Exception:  # not in the engine: its lease goes, and the reaper hands it on
+                log.exception("job %s: the engine did not take it", job.id)
+                self._running.pop(job.id, None)
+                self._release_lease(job.id, tokens[job.id])
+                continue
             answers[job.id] = Started(job, tokens[job.id], self._running[job.id], generation)
-        self._catch_early_flags(list(started))
+            submitted.append(job.id)
+        self._catch_early_flags(submitted)
         with self.stats.lock:
             self.stats.skipped += len(ids) - len(answers) + (len(job_ids) - len(ids))
         return answers
@@ -242,8 +265,9 @@ class JobStarting:
     def _release_lease(self, job_id: str, token: str) -> None:
         try:
             self._release(keys=[keys.job_lease(job_id)], args=[token])
-        except redis.RedisError:  # it lapses by itself
+        except redis.RedisError:  # it lapses by itself, or goes before the job's next claim
             log.warning("job %s: could not release its lease", job_id, exc_info=True)
+            self._stale_leases.setdefault(job_id, []).append(token)
 
 
 def _queue_expired(job: Job) -> bool:

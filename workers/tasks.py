@@ -74,6 +74,8 @@ def direct_strategy(
 
 
 def _ended(span: Any, ack: Callable[[], None], status: JobStatus | None) -> None:
-    span.set_attribute("inferq.status", status.value if status else "skipped")
-    span.end()
-    ack()
+    try:
+        span.set_attribute("inferq.status", status.value if status else "skipped")
+        span.end()
+    finally:  # an unacknowledged message would hold one of the worker's slots
+        ack()

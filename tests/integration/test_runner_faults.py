@@ -1,0 +1,142 @@
+"""The runner when a step fails: every job it was handed still ends once, and none is left
+claimed by a lease nobody holds.
+
+Real Redis and SQLite; the engine is a fake the test drives (these are the runner's own
+callbacks and leases, not generation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from core import keys
+from core.db import Database
+from core.jobs import JobStore, NewJob
+from core.settings import Settings
+from core.states import JobStatus
+from migrations import upgrade
+from tests.fakes import StepEngine
+from workers.merging import MergingEngine
+from workers.runner import JobRunner
+from workers.starting import Started
+
+
+@dataclass
+class Parts:
+    runner: JobRunner
+    engine: StepEngine
+    store: JobStore
+    redis: redis.Redis
+
+    def queued_job(self, prompt: str) -> str:
+        new = NewJob(
+            owner="faults",
+            tier="premium",
+            prompt=prompt,
+            sampling_params={"max_tokens": 4},
+            timeout_s=60,
+            prompt_tokens=3,
+        )
+        job, _ = self.store.create(new)
+        return job.id
+
+
+@pytest.fixture
+def parts(redis_url: str, tmp_path: Path) -> Iterator[Parts]:
+    url = f"sqlite:///{tmp_path / 'runner.db'}"
+    upgrade(url)
+    settings = Settings(redis_url=redis_url, database_url=url)
+    client = redis.Redis.from_url(redis_url)
+    merging = MergingEngine(None)
+    engine = StepEngine(merging)
+    merging.attach(engine)
+    store = JobStore(Database(url))
+    runner = JobRunner(
+        settings=settings,
+        store=store,
+        engine=merging,
+        redis_client=client,
+        worker_name="faults@inferq-test",
+    )
+    yield Parts(runner, engine, store, client)
+    client.close()
+
+
+def _wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_step_that_raises_ends_the_job_instead_of_stranding_it(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A callback that raises would be dropped by concurrent.futures: the job's message never
+    acknowledged, and a warm shutdown's drain waiting for good."""
+    job_id = parts.queued_job("Record me.")
+
+    def broken_recorder(*_: object) -> None:
+        raise RuntimeError("the recorder is gone")
+
+    monkeypatch.setattr(parts.runner.outcomes, "record_async", broken_recorder)
+    ends: list[JobStatus | None] = []
+    parts.runner.submit(job_id, ends.append)
+    _wait_for(lambda: f"{job_id}-1" in parts.engine.requests, "the job never reached the engine")
+    parts.engine.step(f"{job_id}-1", "Done")
+    parts.engine.finish(f"{job_id}-1")
+    assert parts.runner.drain(timeout_s=30), "the job never ended"
+    assert ends == [None]  # its lease lapses, and the reaper hands it on
+    assert job_id not in parts.runner._running
+
+
+def test_a_job_the_engine_refuses_goes_back_while_the_rest_of_its_batch_runs(
+    parts: Parts,
+) -> None:
+    first, refused, last = (parts.queued_job(f"Batch {i}.") for i in range(3))
+    parts.engine.refused.add(refused)
+    answers = parts.runner._start_batch([first, refused, last])
+    assert isinstance(answers[first], Started) and isinstance(answers[last], Started)
+    assert refused not in answers  # skipped: its message is acknowledged
+    assert set(parts.runner._running) == {first, last}
+    # Running in the database with no lease: the reaper requeues it as a lost attempt.
+    assert parts.redis.get(keys.job_lease(refused)) is None
+    stored = parts.store.get(refused)
+    assert stored is not None and stored.status == JobStatus.RUNNING.value
+
+
+def test_a_claim_whose_reply_was_lost_is_claimed_again(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis set the lease, the reply never came: the retry must not take this worker's own
+    lease for a live worker's and skip the job (it would stay queued with no message)."""
+    job_id = parts.queued_job("Claim me.")
+    pipeline = parts.redis.pipeline
+
+    def losing_replies(*args: Any, **kwargs: Any) -> Any:
+        pipe = pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        def execute_then_lose_the_reply(*a: Any, **k: Any) -> Any:
+            execute(*a, **k)
+            raise redis.ConnectionError("connection lost before the reply")
+
+        pipe.execute = execute_then_lose_the_reply
+        return pipe
+
+    monkeypatch.setattr(parts.redis, "pipeline", losing_replies)
+    with pytest.raises(redis.ConnectionError):
+        parts.runner._start_batch([job_id])
+    monkeypatch.undo()
+    assert parts.redis.get(keys.job_lease(job_id)) is not None  # Redis did set it
+    answers = parts.runner._start_batch([job_id])
+    assert isinstance(answers.get(job_id), Started), answers
+    stored = parts.store.get(job_id)
+    assert stored is not None and (stored.status, stored.attempt) == ("running", 1)

@@ -18,6 +18,9 @@ import redis
 
 from core.settings import Settings
 
+STOP_S = 60
+"""How long `stop` waits for each child after SIGTERM (a worker finishes its running jobs)."""
+
 
 def redis_reachable(url: str) -> bool:
     """Whether a Redis server answers at `url`."""
@@ -130,12 +133,12 @@ class LocalStack:
                 raise SystemExit(f"{name} exited with code {process.returncode}; see {log}")
 
     def stop(self) -> None:
-        """SIGTERM every child, newest first; SIGKILL what does not stop within 30 s."""
+        """SIGTERM every child, newest first; SIGKILL what does not stop within `STOP_S`."""
         for _name, process in reversed(self.processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=STOP_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

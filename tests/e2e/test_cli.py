@@ -22,11 +22,11 @@ from core.models import as_utc
 from inferq.local import free_port
 
 INFERQ = [sys.executable, "-m", "inferq"]
-LONG_JOB_TOKENS = 4000
-"""About 3 s of generation on a fast host (1,200 tokens/s for one job), 12 s on a slow one: still
-generating when the test, which watches the worker's log, presses Ctrl-C, and done well inside
-the 30 s that `inferq up` gives its worker to stop (12,000 tokens took longer than that on the
-slow host, so the worker was killed with the job unfinished)."""
+LONG_JOB_TOKENS = 8000
+"""About 11 s of generation on a fast host (4,000 tokens took 5.5 s in CI), 24 s on a slow one:
+still generating when the test, which watches the worker's log, presses Ctrl-C (4,000 tokens
+once ended first: the test saw the start 5.5 s late), and done inside the 60 s that `inferq up`
+gives each process to stop."""
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:

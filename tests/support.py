@@ -339,8 +339,11 @@ def worker_paused(stack: Stack, name: str | None = None) -> Iterator[None]:
     ]
     try:
         for queue in queues:
-            replies = app.control.cancel_consumer(queue, destination=[worker], reply=True)
-            assert replies, f"{worker} did not answer cancel_consumer"
+            # A worker that has only just become ready may not be subscribed to remote control
+            # yet, and misses a broadcast: ask again (cancelling a consumer twice is harmless).
+            deadline = time.monotonic() + 30
+            while not app.control.cancel_consumer(queue, destination=[worker], reply=True):
+                assert time.monotonic() < deadline, f"{worker} did not answer cancel_consumer"
         yield
     finally:
         for queue in queues:

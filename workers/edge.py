@@ -13,6 +13,14 @@ same atomic step, so a worker that dies right after still has them restored by t
 visibility timeout, exactly like messages it took one at a time (a plain BRPOP cannot do that:
 a worker killed between the pop and the bookkeeping loses the message).
 
+The channel also counts the jobs the worker still holds from an earlier connection. After a
+reconnect, kombu's new channel has no unacknowledged messages of its own, and Celery restores
+the full prefetch limit because its own list of running tasks is empty (the worker's direct
+strategy hands jobs to the runner, not to Celery's requests): the worker would take a full
+batch more while its engine still ran the jobs taken before the connection dropped, holding
+jobs that another worker could start. With `jobs_held` (a transport option: how many jobs the
+worker has taken and not yet ended), the limit applies to those as well.
+
 Only the worker uses this transport; everything else publishes through the stock one, and the
 messages are the same.
 """
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -66,7 +75,8 @@ return taken
 
 
 class EdgeBatchingQoS(redis_transport.QoS):
-    """Skips the unacked bookkeeping round trip for messages the take script recorded.
+    """Skips the unacked bookkeeping round trip for messages the take script recorded, and
+    counts the jobs the worker holds from earlier connections against the prefetch limit.
 
     It also survives losing Redis. When the connection drops, kombu closes the channel; it
     then restores the channel's unacknowledged messages, and later acks the messages of tasks
@@ -84,6 +94,21 @@ class EdgeBatchingQoS(redis_transport.QoS):
             virtual.QoS.append(self, message, delivery_tag)
             return
         super().append(message, delivery_tag)
+
+    def can_consume(self) -> bool:
+        limit: int = self.prefetch_count
+        return not limit or self._held() < limit
+
+    def can_consume_max_estimate(self) -> int | None:
+        limit: int = self.prefetch_count
+        return max(limit - self._held(), 0) if limit else None
+
+    def _held(self) -> int:
+        """Messages taken and not yet acknowledged: this channel's, or the worker's jobs
+        (which include those of channels closed since), whichever is more."""
+        own: int = len(self._delivered) - len(self._dirty)
+        jobs_held: Callable[[], int] | None = self.channel.jobs_held
+        return own if jobs_held is None else max(own, jobs_held())
 
     def restore_unacked(self, client: Any = None) -> Any:
         try:
@@ -117,8 +142,13 @@ class EdgeBatchingChannel(redis_transport.Channel):
 
     QoS = EdgeBatchingQoS
     edge_batch = 32
-    # One option more than the stock channel reads from `broker_transport_options`.
-    from_transport_options = (*redis_transport.Channel.from_transport_options, "edge_batch")  # type: ignore[assignment]
+    jobs_held: Callable[[], int] | None = None
+    # Two options more than the stock channel reads from `broker_transport_options`.
+    from_transport_options = (  # type: ignore[assignment]
+        *redis_transport.Channel.from_transport_options,
+        "edge_batch",
+        "jobs_held",
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.recorded_tags: set[str] = set()

@@ -145,11 +145,13 @@ def run_worker(
 
     app = make_celery_app(settings)
     # Bulk takes (see workers.edge; edge_batch 1 takes one message at a time, as kombu does),
-    # and a channel that survives losing Redis.
+    # a prefetch limit that still counts the jobs taken before a reconnect, and a channel that
+    # survives losing Redis.
     app.conf.broker_transport = "workers.edge:EdgeBatchingTransport"
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
         "edge_batch": settings.edge_batch,
+        "jobs_held": runner.held,
     }
     # Each message's job goes straight to the runner, unless task events need Celery's own
     # per-task requests (see workers.tasks).

@@ -103,6 +103,10 @@ class JobRunner(JobStarting):
             self._outstanding += 1
         self._begin(job_id, _Once(partial(self._ended, on_end)), START_RETRY_FIRST_DELAY_S)
 
+    def held(self) -> int:
+        """Jobs handed to `submit` and not yet ended (the worker's prefetch limit counts them)."""
+        return self._outstanding
+
     def run(self, job_id: str) -> JobStatus | None:
         """`submit`, and wait: the job's final status, or None if skipped."""
         ended: Future[JobStatus | None] = Future()

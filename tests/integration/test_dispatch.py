@@ -1,8 +1,9 @@
 """The dispatcher on a Redis of its own: idle, it blocks instead of polling; a held job wakes it;
-a group of jobs goes to Redis in one round trip."""
+a group of jobs goes to Redis in one round trip, as the messages Celery itself would send."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -16,7 +17,7 @@ from core import keys
 from core.settings import Settings
 from core.tiers import Tier
 from scheduler.dispatch import Dispatcher, QueuedJob
-from scheduler.queues import enqueue_jobs, make_celery_app
+from scheduler.queues import RUN_JOB_TASK, enqueue_job, enqueue_jobs, make_celery_app
 from tests.support import redis_server
 
 
@@ -99,3 +100,33 @@ def test_a_group_of_jobs_goes_to_redis_in_one_round_trip(tmp_path: Path) -> None
         assert [m["headers"].get("n") for m in reversed(basic)] == [None, *map(str, range(1, 50))]
         [premium] = client.lrange(keys.queue_name(Tier.PREMIUM), 0, -1)
         assert json.loads(premium)["headers"]["argsrepr"] == "['job-premium']"
+
+
+def test_a_job_message_is_the_one_celery_would_send(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        settings = Settings(redis_url=server.url, data_dir=tmp_path)
+        client = redis.Redis.from_url(server.url)
+        celery = make_celery_app(settings)
+        queue = keys.queue_name(Tier.STANDARD)
+        celery.send_task(RUN_JOB_TASK, args=["job-1"], queue=queue, headers={"n": "1"})
+        enqueue_job(celery, "job-1", Tier.STANDARD, {"n": "1"})
+        # LPUSH puts the newest first; the worker takes from the other end.
+        ours, celerys = (json.loads(raw) for raw in client.lrange(queue, 0, -1))
+        assert ours.keys() == celerys.keys()
+        for message in (ours, celerys):
+            body = json.loads(base64.b64decode(message.pop("body")))
+            assert body == [
+                ["job-1"],
+                {},
+                {"callbacks": None, "errbacks": None, "chain": None, "chord": None},
+            ]
+            task_id = message["headers"].pop("id")
+            assert message["headers"].pop("root_id") == task_id
+            assert message["properties"].pop("correlation_id") == task_id
+            message["delivery_tag"] = message["properties"].pop("delivery_tag")
+            message["task_id"] = task_id
+        # Each message has ids of its own; everything else is the same.
+        assert ours.pop("task_id") != celerys.pop("task_id")
+        assert ours.pop("delivery_tag") != celerys.pop("delivery_tag")
+        assert ours == celerys
+        assert ours["headers"]["task"] == RUN_JOB_TASK and ours["headers"]["n"] == "1"

@@ -34,6 +34,10 @@ from scheduler.dispatch import queued
 
 log = logging.getLogger(__name__)
 
+INLINE_PROMPT_CHARS = 1024
+"""A prompt up to this long is tokenized on the event loop (tens of µs); a longer one in a thread,
+where its milliseconds do not hold up every other request."""
+
 
 def check_against_tier(services: Services, principal: Principal, body: JobCreate) -> int:
     """The job's max_tokens after checking the request against its key's tier."""
@@ -75,7 +79,12 @@ async def submit_job(
     """
     with tracer().start_as_current_span("inferq.submit", kind=SpanKind.PRODUCER) as span:
         headers = current_headers()
-        new = await run_in_threadpool(new_job, services, principal, body, idempotency_key, headers)
+        if len(body.prompt) <= INLINE_PROMPT_CHARS:  # a hop to a thread costs more
+            new = new_job(services, principal, body, idempotency_key, headers)
+        else:
+            new = await run_in_threadpool(
+                new_job, services, principal, body, idempotency_key, headers
+            )
         if idempotency_key is not None:
             existing = await run_in_threadpool(services.jobs.replay, new)
             if existing is not None:  # a replay costs no quota

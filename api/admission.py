@@ -3,32 +3,26 @@
 The jobs ahead of a new one are those waiting in its tier and every higher tier (the shared
 queues, the workers' own queues of routed jobs, and the jobs held back for fair share). Workers
 count finished jobs in 10-second buckets; the best bucket of the last minute is the measured
-capacity (`MeasuredCapacity`), if it holds at least `MIN_MEASURED_JOBS` (fewer measure the
-demand of a quiet system, not its capacity). If the jobs ahead, at that rate, would keep the
-new job waiting past its queue limit, it is refused with 429 `queue_full` and a `Retry-After`
-of the excess, rather than accepted to time out. With no measurement (an idle, quiet or
-freshly started system), everything is admitted.
+capacity, if it holds at least `MIN_MEASURED_JOBS` (fewer measure the demand of a quiet system,
+not its capacity). If the jobs ahead, at that rate, would keep the new job waiting past its
+queue limit, it is refused with 429 `queue_full` and a `Retry-After` of the excess, rather than
+accepted to time out. With no measurement (an idle, quiet or freshly started system),
+everything is admitted.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-import redis.asyncio as aioredis
 import redis.exceptions
 
+from api.services import Services
 from core import keys
 from core.errors import QueueFull, ServiceUnavailable
 from core.jobs import NewJob
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from scheduler.routing import WAITING_SCRIPT, waiting_args
-
-if TYPE_CHECKING:
-    from api.services import Services
 
 BUCKET_S = 10
 WINDOW_BUCKETS = 6
@@ -42,43 +36,17 @@ async def waiting_counts(services: Services) -> dict[Tier, int]:
     return {tier: int(n) for tier, n in zip(TIERS_BY_PRIORITY, counts, strict=True)}
 
 
-class MeasuredCapacity:
+async def measured_capacity(services: Services) -> float:
     """Jobs per second the workers finished in the best complete bucket of the last minute.
 
     0 (not measured) when no bucket holds `MIN_MEASURED_JOBS`: so few jobs measure how little
     was asked, not what the workers can do. (A warm-up job followed by a batch of 64 once read
     as 0.1 jobs/s, and the batch was refused as if it would wait 630 s.)
-
-    Complete buckets do not change, so the figure is read from Redis once per bucket, not once
-    per request: twice, in fact, the second time `SETTLE_S` into the bucket, because a worker's
-    count for the bucket that just ended can land a moment after it ends (a job that ended at
-    the boundary, or a worker whose clock is a little behind).
     """
-
-    SETTLE_S = 1.0
-
-    def __init__(self, client: aioredis.Redis, clock: Callable[[], float] = time.time) -> None:
-        self._redis = client
-        self._clock = clock
-        self._value = 0.0
-        self._expires_at = -math.inf
-        self._lock = asyncio.Lock()
-
-    async def jobs_per_s(self) -> float:
-        """The measured capacity, from Redis only when the cached figure has expired."""
-        if self._clock() < self._expires_at:
-            return self._value
-        async with self._lock:  # one read for all the requests that found it expired
-            now = self._clock()
-            if now < self._expires_at:
-                return self._value
-            current = int(now) // BUCKET_S
-            buckets = [keys.finished_bucket(current - i) for i in range(1, WINDOW_BUCKETS + 1)]
-            best = max(int(count or 0) for count in await self._redis.mget(buckets))
-            self._value = best / BUCKET_S if best >= MIN_MEASURED_JOBS else 0.0
-            settled = current * BUCKET_S + self.SETTLE_S
-            self._expires_at = settled if now < settled else (current + 1) * BUCKET_S
-            return self._value
+    current = int(time.time()) // BUCKET_S
+    buckets = [keys.finished_bucket(current - i) for i in range(1, WINDOW_BUCKETS + 1)]
+    best = max(int(count or 0) for count in await services.redis.mget(buckets))
+    return best / BUCKET_S if best >= MIN_MEASURED_JOBS else 0.0
 
 
 async def admit_to_queue(services: Services, batch: list[NewJob]) -> None:
@@ -86,7 +54,7 @@ async def admit_to_queue(services: Services, batch: list[NewJob]) -> None:
     if not batch:
         return
     try:
-        capacity = await services.capacity.jobs_per_s()
+        capacity = await measured_capacity(services)
         if capacity <= 0:
             return
         waiting = await waiting_counts(services)

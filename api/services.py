@@ -9,7 +9,6 @@ import redis
 import redis.asyncio as aioredis
 from celery import Celery
 
-from api.admission import MeasuredCapacity
 from api.batcher import SubmissionBatcher
 from core.apikeys import KeyStore, Principal
 from core.db import Database
@@ -66,7 +65,6 @@ class Services:
     submissions: SubmissionBatcher
     dispatcher: Dispatcher
     quotas: QuotaLimiter
-    capacity: MeasuredCapacity
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -103,7 +101,6 @@ class Services:
             submissions=SubmissionBatcher(jobs, dispatcher),
             dispatcher=dispatcher,
             quotas=QuotaLimiter(client, settings.job_key_ttl_s),
-            capacity=MeasuredCapacity(client),
         )
 
     async def close(self) -> None:

@@ -3,7 +3,6 @@
 The workers count finished jobs per 10-second bucket; the API takes the best complete bucket of
 the last minute as the rate the queue drains at. A bucket holding one warm-up job once read as
 0.1 jobs/s, and a batch of 64 submitted next was refused with 429 as if it would wait 630 s.
-Complete buckets do not change, so the API reads them about once per bucket, not per request.
 """
 
 from __future__ import annotations
@@ -11,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import redis.asyncio as aioredis
 
-from api.admission import BUCKET_S, MIN_MEASURED_JOBS, MeasuredCapacity
+from api.admission import BUCKET_S, MIN_MEASURED_JOBS, measured_capacity
+from api.services import Services
 from core import keys
 from tests.support import redis_server
 
@@ -29,7 +31,7 @@ def _capacity_with(url: str, finished: dict[int, int]) -> float:
             current = int(time.time()) // BUCKET_S
             for ago, count in finished.items():
                 await client.set(keys.finished_bucket(current - ago), count)
-            return await MeasuredCapacity(client).jobs_per_s()
+            return await measured_capacity(cast(Services, SimpleNamespace(redis=client)))
         finally:
             await client.aclose()
 
@@ -45,39 +47,3 @@ def test_a_few_finished_jobs_do_not_count_as_the_capacity(tmp_path: Path) -> Non
         assert _capacity_with(server.url, {1: 1, 2: 40, 4: MIN_MEASURED_JOBS}) == 40 / BUCKET_S
         # The current (incomplete) bucket and buckets older than a minute never count.
         assert _capacity_with(server.url, {0: 500, 7: 500}) == 0.0
-
-
-def test_the_capacity_is_read_once_a_bucket_and_again_once_it_has_settled(tmp_path: Path) -> None:
-    async def scenario(url: str) -> list[tuple[float, int]]:
-        client = aioredis.Redis.from_url(url)
-        now = 1_000_000 * BUCKET_S + 0.2  # 0.2 s into a bucket
-        meter = MeasuredCapacity(client, clock=lambda: now)
-        bucket = int(now) // BUCKET_S
-
-        async def read(finished_last_bucket: int) -> tuple[float, int]:
-            """The capacity read after the bucket before now has `finished_last_bucket` jobs."""
-            await client.set(keys.finished_bucket(bucket - 1), finished_last_bucket)
-            before = int((await client.info("stats"))["total_commands_processed"])
-            capacity = await meter.jobs_per_s()
-            after = int((await client.info("stats"))["total_commands_processed"])
-            return capacity, after - before - 1  # less the INFO itself
-
-        try:
-            reads = [await read(30)]
-            # Jobs that ended at the boundary are counted a moment late, and seen once settled.
-            now += 0.3
-            reads.append(await read(40))
-            now += MeasuredCapacity.SETTLE_S
-            reads.append(await read(40))
-            reads.append(await read(50))  # a late count after that waits for the next bucket
-            now += BUCKET_S
-            bucket += 1
-            reads.append(await read(60))
-            return reads
-        finally:
-            await client.aclose()
-
-    with redis_server(tmp_path) as server:
-        reads = asyncio.run(scenario(server.url))
-    # (jobs/s, Redis commands) for each request
-    assert reads == [(3.0, 1), (3.0, 0), (4.0, 1), (4.0, 0), (6.0, 1)]

@@ -9,6 +9,7 @@ import redis
 import redis.asyncio as aioredis
 from celery import Celery
 
+from api.admission import QueueStateReader
 from api.batcher import SubmissionBatcher
 from core.apikeys import KeyStore, Principal
 from core.db import Database
@@ -65,6 +66,7 @@ class Services:
     submissions: SubmissionBatcher
     dispatcher: Dispatcher
     quotas: QuotaLimiter
+    queue_state: QueueStateReader
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -101,6 +103,7 @@ class Services:
             submissions=SubmissionBatcher(jobs, dispatcher),
             dispatcher=dispatcher,
             quotas=QuotaLimiter(client, settings.job_key_ttl_s),
+            queue_state=QueueStateReader(client),
         )
 
     async def close(self) -> None:

@@ -1,8 +1,10 @@
-"""Admission control's measured capacity, on a real Redis: a quiet system measures nothing.
+"""Admission control on a real Redis: what it measures, and how often it reads.
 
 The workers count finished jobs per 10-second bucket; the API takes the best complete bucket of
 the last minute as the rate the queue drains at. A bucket holding one warm-up job once read as
 0.1 jobs/s, and a batch of 64 submitted next was refused with 429 as if it would wait 630 s.
+Submissions that arrive together share one read, and none is decided without a read of its own
+time: with Redis gone, every submission is refused with 503.
 """
 
 from __future__ import annotations
@@ -13,11 +15,22 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
 
+import pytest
+import redis
 import redis.asyncio as aioredis
 
-from api.admission import BUCKET_S, MIN_MEASURED_JOBS, measured_capacity
+from api.admission import (
+    BUCKET_S,
+    MIN_MEASURED_JOBS,
+    QueueStateReader,
+    admit_to_queue,
+    measured_capacity,
+)
 from api.services import Services
 from core import keys
+from core.errors import QueueFull, ServiceUnavailable
+from core.jobs import NewJob
+from core.tiers import Tier
 from tests.support import redis_server
 
 
@@ -31,7 +44,7 @@ def _capacity_with(url: str, finished: dict[int, int]) -> float:
             current = int(time.time()) // BUCKET_S
             for ago, count in finished.items():
                 await client.set(keys.finished_bucket(current - ago), count)
-            return await measured_capacity(cast(Services, SimpleNamespace(redis=client)))
+            return await measured_capacity(client)
         finally:
             await client.aclose()
 
@@ -47,3 +60,59 @@ def test_a_few_finished_jobs_do_not_count_as_the_capacity(tmp_path: Path) -> Non
         assert _capacity_with(server.url, {1: 1, 2: 40, 4: MIN_MEASURED_JOBS}) == 40 / BUCKET_S
         # The current (incomplete) bucket and buckets older than a minute never count.
         assert _capacity_with(server.url, {0: 500, 7: 500}) == 0.0
+
+
+def _job() -> NewJob:
+    return NewJob(
+        owner="alice",
+        tier=Tier.BASIC.value,
+        prompt="hello",
+        sampling_params={"max_tokens": 8},
+        timeout_s=60.0,
+        prompt_tokens=2,
+        queue_timeout_s=30.0,
+    )
+
+
+def _reads(client: redis.Redis) -> int:
+    """Admission reads Redis has served: each is one MGET of the finished-job buckets."""
+    return int(client.info("commandstats").get("cmdstat_mget", {}).get("calls", 0))
+
+
+def test_submissions_that_arrive_together_share_one_read_and_none_skips_it(
+    tmp_path: Path,
+) -> None:
+    with redis_server(tmp_path) as server:
+        sync = redis.Redis.from_url(server.url)
+        current = int(time.time()) // BUCKET_S
+        sync.set(keys.finished_bucket(current - 1), 10 * BUCKET_S)  # 10 jobs/s measured
+
+        async def scenario() -> list[BaseException | None]:
+            client = aioredis.Redis.from_url(server.url)
+            services = cast(
+                Services, SimpleNamespace(redis=client, queue_state=QueueStateReader(client))
+            )
+            try:
+                # 50 submissions at once: one read decides them all.
+                sync.config_resetstat()
+                await asyncio.gather(*(admit_to_queue(services, [_job()]) for _ in range(50)))
+                assert _reads(sync) == 1
+                # One after another, each reads for itself: the queue grew meanwhile.
+                await admit_to_queue(services, [_job()])
+                # 400 jobs ahead at 10 jobs/s: 40 s, past the 30 s queue limit.
+                sync.rpush(keys.queue_name(Tier.BASIC), *(["m"] * 400))
+                with pytest.raises(QueueFull):
+                    await admit_to_queue(services, [_job()])
+                assert _reads(sync) == 3
+                # Redis gone: every submission is refused, none admitted on an old answer.
+                server.stop()
+                outcomes = await asyncio.gather(
+                    *(admit_to_queue(services, [_job()]) for _ in range(5)),
+                    return_exceptions=True,
+                )
+                return [o if isinstance(o, BaseException) else None for o in outcomes]
+            finally:
+                await client.aclose()
+
+        outcomes = asyncio.run(scenario())
+        assert all(isinstance(o, ServiceUnavailable) for o in outcomes), outcomes

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
+from kombu import Connection
 from prometheus_client.parser import text_string_to_metric_families
 
 from core.tiers import Tier
-from tests.support import Stack, wait_final, worker_paused
+from tests.support import Stack, redis_server, wait_final, worker_paused
+from workers.edge import EdgeBatchingTransport
 
 JOBS = 24
 
@@ -47,3 +50,20 @@ def test_an_idle_worker_takes_the_waiting_jobs_in_bulk(stack: Stack) -> None:
     while stack.redis.hlen("unacked"):
         assert time.monotonic() < deadline, stack.redis.hkeys("unacked")
         time.sleep(0.2)
+
+
+def test_the_channel_keeps_one_client_for_its_short_commands(tmp_path: Path) -> None:
+    """Recording, acking and events reuse one client; a replaced pool gets a new one."""
+    with (
+        redis_server(tmp_path) as server,
+        Connection(server.url, transport=EdgeBatchingTransport) as connection,
+    ):
+        channel = connection.default_channel
+        with channel.conn_or_acquire() as first, channel.conn_or_acquire() as second:
+            assert first is second
+            assert first.ping()
+        channel._pool = None  # what kombu does to the pools when the connection is lost
+        with channel.conn_or_acquire() as third:
+            assert third is not first
+            assert third.connection_pool is channel.pool
+            assert third.ping()

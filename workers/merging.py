@@ -94,8 +94,11 @@ class MergingEngine:
         deadline = time.monotonic() + request.timeout_s
         member = _Member(request, future, merged=False, joined_at=datetime.now(UTC))
         with self._lock:
+            # The watcher sleeps until the earliest deadline: only a new earliest one wakes it
+            # (jobs of one tier arrive in deadline order, so a burst of them wakes it once).
+            if not self._deadlines or deadline < self._deadlines[0][0]:
+                self._deadline_added.notify()
             heapq.heappush(self._deadlines, (deadline, request.request_id))
-            self._deadline_added.notify()
             group = self._groups.get(key)
             if group is not None and deadline <= group.deadline:
                 member.merged = True

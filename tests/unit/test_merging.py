@@ -100,3 +100,23 @@ def test_a_job_with_a_much_later_deadline_starts_its_own_request() -> None:
     _, merged = merging.submit_merging(_request("b", timeout_s=120))
     assert not merged
     assert list(engine.requests) == ["a-1", "b-1"]
+
+
+def test_only_a_new_earliest_deadline_wakes_the_deadline_watcher() -> None:
+    merging, _engine, _ = _setup()
+    wakes: list[int] = []
+    condition = merging._deadline_added
+    notify = condition.notify
+
+    def counted(n: int = 1) -> None:
+        wakes.append(n)
+        notify(n)
+
+    condition.notify = counted  # type: ignore[method-assign]
+    merging.submit(_request("first", timeout_s=30))
+    for index in range(50):  # later deadlines: the watcher sleeps on
+        merging.submit(_request(f"later{index}", timeout_s=31 + index, seed=index))
+    assert len(wakes) == 1
+    hasty = merging.submit(_request("hasty", timeout_s=0.2, seed=99))  # a new earliest
+    assert len(wakes) == 2
+    assert hasty.result(timeout=5).status is JobStatus.TIMED_OUT

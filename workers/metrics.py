@@ -81,6 +81,10 @@ def observe_ended_unrun(tier: str, status: JobStatus) -> None:
     JOBS_FINISHED.labels(tier, status.value).inc()
 
 
+CHILDREN_EVERY = 60
+"""Samples between two look-ups of the worker's child processes (a minute at one a second)."""
+
+
 class DeviceMemory:
     """Samples memory in use on the worker's devices: NVML for GPUs, resident memory on CPU."""
 
@@ -88,6 +92,8 @@ class DeviceMemory:
         self.worker = worker
         self.gpus = gpus
         self._nvml: Any = None
+        self._children: list[Any] = []
+        self._samples = 0
         if gpus:
             try:
                 import pynvml  # nvidia-ml-py, installed with vLLM's GPU build
@@ -109,9 +115,15 @@ class DeviceMemory:
 
             process = psutil.Process()
             rss = process.memory_info().rss
-            for child in process.children(recursive=True):  # the engine core runs apart
+            # Finding the children walks every process of the host (most of a sample's CPU);
+            # the engine's processes are started once, so they are looked up again only
+            # every `CHILDREN_EVERY` samples or when one has gone.
+            if self._samples % CHILDREN_EVERY == 0:
+                self._children = process.children(recursive=True)  # the engine core runs apart
+            self._samples += 1
+            for child in self._children:
                 try:
                     rss += child.memory_info().rss
                 except psutil.Error:
-                    continue
+                    self._samples = 0
             DEVICE_MEMORY.labels(self.worker, "cpu").set(rss)

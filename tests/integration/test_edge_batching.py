@@ -6,7 +6,9 @@ import time
 from pathlib import Path
 
 import httpx
-from kombu import Connection
+import redis
+from kombu import Connection, Exchange, Queue
+from kombu.asynchronous import Hub
 from prometheus_client.parser import text_string_to_metric_families
 
 from core.tiers import Tier
@@ -67,3 +69,54 @@ def test_the_channel_keeps_one_client_for_its_short_commands(tmp_path: Path) -> 
             assert third is not first
             assert third.connection_pool is channel.pool
             assert third.ping()
+
+
+def _calls(client: redis.Redis, command: str) -> int:
+    stats: dict[str, dict[str, int]] = client.info("commandstats")
+    return stats.get(f"cmdstat_{command}", {}).get("calls", 0)
+
+
+def test_acks_made_in_one_turn_of_the_event_loop_go_to_redis_together(tmp_path: Path) -> None:
+    """Twenty acks in one turn: twenty free slots at once, one ZREM at the turn's end; the
+    acks still pending when the channel closes are sent then; a lost Redis loses no ack."""
+    queue = Queue("acks", Exchange("acks"), routing_key="acks")
+    with (
+        redis_server(tmp_path) as server,
+        Connection(server.url, transport=EdgeBatchingTransport) as connection,
+    ):
+        client = redis.Redis.from_url(server.url)
+        hub = Hub()
+        connection.transport.register_with_event_loop(connection.connection, hub)
+        channel = connection.default_channel
+        channel.basic_qos(0, 20, False)
+        producer = connection.Producer(channel)
+        for i in range(25):
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key="acks", declare=[queue])
+        messages = [channel.basic_get("acks", no_ack=False) for _ in range(20)]
+        assert client.hlen("unacked") == 20
+        assert not channel.qos.can_consume()  # the prefetch limit of 20 is reached
+        zrem_before = _calls(client, "zrem")
+
+        for message in messages:
+            message.ack()
+        assert channel.qos.can_consume()  # every slot is free at once...
+        assert client.hlen("unacked") == 20  # ...and Redis hears at the end of the turn
+        for on_tick in list(hub.on_tick):
+            on_tick()
+        assert client.hlen("unacked") == 0
+        assert client.zcard("unacked_index") == 0
+        assert _calls(client, "zrem") - zrem_before == 1
+
+        last = [channel.basic_get("acks", no_ack=False) for _ in range(5)]
+        for message in last[:3]:
+            message.ack()
+        channel.close()  # before the turn ends: the acks go out, the other two are restored
+        assert client.hlen("unacked") == 0
+        assert client.llen("acks") == 2
+
+        channel = connection.channel()
+        message = channel.basic_get("acks", no_ack=False)
+        server.stop()
+        message.ack()
+        connection.transport.flush_acks()  # logs the lost ack; the visibility restore has it
+        server.start()

@@ -60,11 +60,12 @@ def _submit_many(stack: Stack, key: str, label: str, count: int) -> list[dict[st
     ]
 
 
-def _wait_running(stack: Stack, timeout_s: float = 120) -> None:
-    """Until the worker has started jobs. (On a fast host all 48 can end between two of its
-    once-a-second counter updates, so its peak counts too.)"""
+def _wait_running(stack: Stack, engine_requests_before: int, timeout_s: float = 120) -> None:
+    """Until the worker has handed jobs submitted since it had made `engine_requests_before`
+    engine requests to its engine. (Its in-flight count can miss them: on a fast host all 48
+    can end between two of its once-a-second updates. Its peak can be an earlier test's.)"""
     deadline = time.monotonic() + timeout_s
-    while not any(stack.worker_stats()[name] for name in ("in_flight", "peak_in_flight")):
+    while stack.worker_stats()["engine_requests"] <= engine_requests_before:
         assert time.monotonic() < deadline, "no job started"
         time.sleep(0.2)
 
@@ -139,8 +140,9 @@ def test_redis_restart_under_load_loses_nothing(own_stack: tuple[Stack, RedisSer
     key = stack.create_key(Tier.STANDARD)
     pids = {name: process.pid for name, process in stack.local.processes}
     with stack.client(key) as client:
+        before = stack.worker_stats()["engine_requests"]
         accepted = _submit_many(stack, key, "Before the restart", JOBS)
-        _wait_running(stack)
+        _wait_running(stack, before)
         redis_service.stop()
         try:
             _refused_quickly(client)
@@ -216,8 +218,9 @@ def test_database_outage_loses_nothing(stack: Stack) -> None:
     key = stack.create_key(Tier.STANDARD)
     pids = {name: process.pid for name, process in stack.local.processes}
     with stack.client(key) as client:
+        before = stack.worker_stats()["engine_requests"]
         accepted = _submit_many(stack, key, "Before the outage", JOBS)
-        _wait_running(stack)
+        _wait_running(stack, before)
         with _database_refusing_connections(stack.database_url):
             # Outlast a generation, so the worker has a result to store while the database
             # is out (no job can start meanwhile: starting one needs the database).

@@ -9,12 +9,9 @@ longer than the API's longest is cut to it.
 
 from __future__ import annotations
 
-import time
-
 from starlette.concurrency import run_in_threadpool
 
 from api.services import Services
-from core.events import wait_for_final_event
 from core.models import Job
 from core.states import JobStatus
 
@@ -36,20 +33,11 @@ def wait_preference(header: str | None, longest_s: float) -> int | None:
 
 
 async def final_or_current(services: Services, jobs: list[Job], timeout_s: float) -> list[Job]:
-    """The jobs once every one is final, or as they stand after `timeout_s`, in the same order.
-
-    It waits for one job at a time, each until the common deadline: the answer waits for the
-    last of them anyway, and a batch of a thousand jobs holds one Redis connection, not a
-    thousand (a job that has ended is a read that returns at once).
-    """
+    """The jobs once every one is final, or as they stand after `timeout_s`, in the same order."""
     waiting = [job.id for job in jobs if not JobStatus(job.status).is_final]
     if not waiting or timeout_s <= 0:
         return jobs
-    deadline = time.monotonic() + timeout_s
-    for job_id in waiting:
-        left_s = deadline - time.monotonic()
-        if left_s <= 0 or not await wait_for_final_event(services.redis, job_id, left_s):
-            break
+    await services.finals.wait(waiting, timeout_s)
     current = await run_in_threadpool(_read, services, waiting)
     return [current.get(job.id, job) for job in jobs]
 

@@ -11,6 +11,7 @@ from celery import Celery
 
 from api.admission import QueueStateReader
 from api.batcher import SubmissionBatcher
+from api.final_events import FinalEvents
 from core.apikeys import KeyStore, Principal
 from core.db import Database
 from core.events import AsyncEventPublisher
@@ -67,6 +68,7 @@ class Services:
     dispatcher: Dispatcher
     quotas: QuotaLimiter
     queue_state: QueueStateReader
+    finals: FinalEvents
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -74,8 +76,9 @@ class Services:
         db = Database(settings.sqlalchemy_url)
         jobs = JobStore(db)
         celery = make_celery_app(settings)
-        # Every live stream and long-poll blocks one connection in XREAD; past the pool's size
-        # a request waits up to 5 s for one rather than failing at once.
+        # Every live stream blocks one connection in XREAD (waits for a job's end share one
+        # subscription, see `api.final_events`); past the pool's size a request waits up to
+        # 5 s for one rather than failing at once.
         pool = aioredis.BlockingConnectionPool.from_url(
             settings.redis_url,
             max_connections=settings.api_redis_connections,
@@ -104,10 +107,12 @@ class Services:
             dispatcher=dispatcher,
             quotas=QuotaLimiter(client, settings.job_key_ttl_s),
             queue_state=QueueStateReader(client),
+            finals=FinalEvents(client),
         )
 
     async def close(self) -> None:
         """Stop taking submissions and release connections."""
         await self.submissions.stop()
+        await self.finals.close()
         await self.redis.aclose()
         self.celery.close()

@@ -11,14 +11,16 @@ Each event is a JSON object with `seq` (1, 2, ...), `job_id` and `type`:
   and `error_code`; nothing follows it.
 
 The stream entry of event `seq` has the id `0-<seq>`, so "everything after event N" is an XREAD
-from `0-N`. Publishing a final event also takes the job off its key's concurrent-jobs set
-(see `core.quotas`), whichever process ends the job.
+from `0-N`. A final event is also stored in a stream of the job's own (whether it exists says
+whether the job has ended) and its job id published on `keys.FINAL_EVENTS_CHANNEL`, which is
+what waits for a job's end listen to (see `api.final_events`). Publishing a final event also
+takes the job off its key's concurrent-jobs set (see `core.quotas`), whichever process ends
+the job.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,10 +44,13 @@ for i = 0, #KEYS / 4 - 1 do
   redis.call('EXPIRE', stream, ttl)
   redis.call('PUBLISH', channel, payload)
   if is_final == '1' then
-    -- a final event: it wakes the long polls, which wait on a stream of their own so that the
-    -- job's deltas do not wake them; the job no longer counts against its key's concurrent jobs
+    -- a final event: it wakes the waits for the job's end, which listen to one channel for
+    -- every job's id so that deltas do not wake them, and check the job's final stream to see
+    -- whether it ended before they began; the job no longer counts against its key's
+    -- concurrent jobs
     redis.call('XADD', final, '*', 'e', payload)
     redis.call('EXPIRE', final, ttl)
+    redis.call('PUBLISH', FINAL_EVENTS_CHANNEL, job_id)
     local active = redis.call('GET', quota)
     if active then
       redis.call('ZREM', active, job_id)
@@ -54,19 +59,13 @@ for i = 0, #KEYS / 4 - 1 do
   end
 end
 return #KEYS / 4
-"""
+""".replace("FINAL_EVENTS_CHANNEL", f"'{keys.FINAL_EVENTS_CHANNEL}'")
 
 MAX_EVENTS_PER_CALL = 256
 """Events per script call: Redis runs a script alone, so very long ones would stall others."""
 
 _MAX_BLOCK_MS = 2000
 
-_SOCKET_MARGIN_S = 2.0
-"""How far inside the client's socket timeout a long poll's blocking read ends."""
-_LONG_POLL_BLOCK_MS = (1000, 10_000)
-"""Shortest and longest blocking read of a long poll."""
-_CLIENT_DEFAULT_SOCKET_TIMEOUT_S = 5.0
-"""redis-py's socket timeout for a client made without one."""
 
 FINAL_EVENT_TYPES = frozenset({"done", "error", "cancelled", "timed_out"})
 
@@ -155,39 +154,6 @@ async def watch_job(client: aioredis.Redis, job_id: str, ttl_s: int) -> None:
     pipe.set(keys.job_watched(job_id), "1", ex=ttl_s)
     pipe.publish(keys.WATCH_CHANNEL, job_id)
     await pipe.execute()
-
-
-async def wait_for_final_event(client: aioredis.Redis, job_id: str, timeout_s: float) -> bool:
-    """Block until the job has published its final event, or the timeout passes.
-
-    It blocks on the job's final-event stream, which nothing else is written to: a long poll
-    wakes once, not at every delta of a generating job.
-    """
-    stream = keys.job_final_stream(job_id)
-    remaining_ms = max(1, int(timeout_s * 1000))
-    deadline = time.monotonic() + timeout_s
-    longest_ms = _longest_block_ms(client)
-    while remaining_ms > 0:
-        block_ms = min(remaining_ms, longest_ms)
-        if await client.xread({stream: "0-0"}, block=block_ms, count=1):
-            return True
-        remaining_ms = int((deadline - time.monotonic()) * 1000)
-    return False
-
-
-def _longest_block_ms(client: aioredis.Redis) -> int:
-    """The longest blocking read that ends well inside the client's socket timeout.
-
-    Each read of a waiting long poll is a round trip and a wake-up of the API; with the API's
-    10 s socket timeout a 55 s wait takes 7 reads instead of 28 two-second ones.
-    """
-    timeout = client.connection_pool.connection_kwargs.get(
-        "socket_timeout", _CLIENT_DEFAULT_SOCKET_TIMEOUT_S
-    )
-    shortest, longest = _LONG_POLL_BLOCK_MS
-    if timeout is None:
-        return longest
-    return max(shortest, min(longest, int((float(timeout) - _SOCKET_MARGIN_S) * 1000)))
 
 
 def stream_id(seq: int) -> str:

@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     api_redis_connections: int = Field(
         default=2000,
         ge=10,
-        description="Redis connections per API process; each live stream or long-poll holds one.",
+        description="Redis connections per API process; each live stream holds one.",
     )
     stream_interval_ms: int = Field(
         default=50,

@@ -23,7 +23,6 @@ from api.schemas import (
 from api.streaming import event_stream
 from api.submission import cancel_job, submit_job, submit_jobs
 from core.errors import NotFound
-from core.events import wait_for_final_event
 from core.states import JobStatus
 
 router = APIRouter(
@@ -133,7 +132,7 @@ async def get_job(
     if job is None:
         raise NotFound(f"No job with id '{job_id}'.", param="job_id")
     if wait > 0 and not JobStatus(job.status).is_final:
-        await wait_for_final_event(services.redis, job_id, wait)
+        await services.finals.wait([job_id], wait)
         job = await run_in_threadpool(services.jobs.get, job_id, principal.owner)
         assert job is not None
     return JobOut.from_job(job)
@@ -176,7 +175,7 @@ async def delete_job(
     """
     job = await cancel_job(services, principal.owner, job_id)
     if not JobStatus(job.status).is_final:
-        await wait_for_final_event(services.redis, job_id, CANCEL_WAIT_S)
+        await services.finals.wait([job_id], CANCEL_WAIT_S)
         refreshed = await run_in_threadpool(services.jobs.get, job_id, principal.owner)
         if refreshed is None:
             raise NotFound(f"No job with id '{job_id}'.", param="job_id")

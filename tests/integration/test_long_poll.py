@@ -1,7 +1,9 @@
-"""Long polls (`GET /v1/jobs/{id}?wait=N`) wake at a job's final event, not at its deltas.
+"""Waits for a job's end (long polls, `Prefer: wait`, cancellations) share one subscription per
+API process, wake at the job's final event and not at its deltas, and survive a Redis restart.
 
 A generating job publishes a delta event up to twenty times a second; hundreds of long polls
-woken by each of them would take the API's CPU from everything else.
+woken by each of them would take the API's CPU from everything else, and a blocking read per
+wait would take a Redis connection each.
 """
 
 from __future__ import annotations
@@ -12,55 +14,101 @@ from pathlib import Path
 import redis
 import redis.asyncio as aioredis
 
-from core.events import EventPublisher, wait_for_final_event
+from api.final_events import FinalEvents
+from core.events import EventPublisher
 from tests.support import redis_server
 
+WAITS = 200
 
-def _xread_calls(client: redis.Redis) -> int:
-    stats = client.info("commandstats").get("cmdstat_xread", {})
+
+def _calls(client: redis.Redis, command: str) -> int:
+    stats = client.info("commandstats").get(f"cmdstat_{command}", {})
     return int(stats.get("calls", 0))
 
 
-def test_a_long_poll_wakes_at_the_final_event_and_not_at_deltas(tmp_path: Path) -> None:
+def test_a_wait_wakes_at_the_final_event_and_not_at_deltas(tmp_path: Path) -> None:
     with redis_server(tmp_path) as server:
         sync = redis.Redis.from_url(server.url)
         publisher = EventPublisher(sync, ttl_s=60)
 
         async def scenario() -> None:
             client = aioredis.Redis.from_url(server.url)
-            before = _xread_calls(sync)
-            waiter = asyncio.create_task(wait_for_final_event(client, "job_poll", 30))
+            finals = FinalEvents(client)
+            waiter = asyncio.create_task(finals.wait(["job_poll"], 30))
             await asyncio.sleep(0.2)
             for _ in range(40):
                 publisher.publish("job_poll", "delta", attempt=1, text="x", tokens=1, at=0.0)
                 await asyncio.sleep(0.005)
             await asyncio.sleep(0.2)
             assert not waiter.done()
-            # One blocking read so far (two if a block ran out meanwhile): no delta woke it.
-            assert _xread_calls(sync) - before <= 2
             publisher.publish("job_poll", "done", status="succeeded")
             assert await asyncio.wait_for(waiter, 10) is True
-            # A poll that starts after the final event returns at once; one without, times out.
-            assert await asyncio.wait_for(wait_for_final_event(client, "job_poll", 30), 5)
-            assert await wait_for_final_event(client, "job_never", 0.3) is False
+            assert finals.pending() == 0
+            # A wait that begins after the final event returns at once; one without, times out.
+            assert await asyncio.wait_for(finals.wait(["job_poll"], 30), 5)
+            assert await finals.wait(["job_never"], 0.3) is False
+            # Several jobs: true only once every one has ended.
+            assert await finals.wait(["job_poll", "job_never"], 0.3) is False
+            assert finals.pending() == 0
+            await finals.close()
             await client.aclose()
 
         asyncio.run(scenario())
         assert sync.ttl("inferq:job:job_poll:final") > 0
 
 
-def test_a_long_poll_blocks_as_long_as_the_clients_socket_timeout_allows(tmp_path: Path) -> None:
-    """Each blocking read is a round trip and a wake-up of the API: the fewer, the better."""
+def test_waits_that_begin_together_share_one_connection_and_one_check(tmp_path: Path) -> None:
+    """Two hundred concurrent waits: no connection of their own, one read to see whether their
+    jobs ended already, and each wakes at its own job's final event."""
     with redis_server(tmp_path) as server:
         sync = redis.Redis.from_url(server.url)
+        publisher = EventPublisher(sync, ttl_s=60)
+        publisher.publish("job_0", "done", status="succeeded")  # ended before its wait
 
         async def scenario() -> None:
-            # The API's own client has a 10 s socket timeout.
-            client = aioredis.Redis.from_url(server.url, socket_timeout=10)
-            before = _xread_calls(sync)
-            assert await wait_for_final_event(client, "job_never", 5) is False
-            # One read of 5 s: two-second reads took three.
-            assert _xread_calls(sync) - before == 1
+            client = aioredis.Redis.from_url(server.url)
+            finals = FinalEvents(client)
+            clients_before = int(sync.info("clients")["connected_clients"])
+            exists_before = _calls(sync, "exists")
+            waits = [asyncio.create_task(finals.wait([f"job_{i}"], 30)) for i in range(WAITS)]
+            await asyncio.sleep(0.5)
+            assert waits[0].done() and waits[0].result() is True
+            assert not any(wait.done() for wait in waits[1:])
+            # The subscription and the check's connection, not one per wait.
+            assert int(sync.info("clients")["connected_clients"]) - clients_before <= 3
+            # One pipelined check for all of them (two if the subscription's sweep came
+            # between), not one per wait.
+            assert _calls(sync, "exists") - exists_before <= 2 * WAITS
+            publisher.publish_many([(f"job_{i}", "done", {}) for i in range(1, WAITS, 2)])
+            await asyncio.sleep(0.5)
+            assert [wait.done() for wait in waits[1:]] == [i % 2 == 1 for i in range(1, WAITS)]
+            publisher.publish_many([(f"job_{i}", "done", {}) for i in range(2, WAITS, 2)])
+            assert all(await asyncio.wait_for(asyncio.gather(*waits), 10))
+            await finals.close()
+            await client.aclose()
+
+        asyncio.run(scenario())
+        assert _calls(sync, "xread") == 0
+
+
+def test_a_wait_survives_a_redis_restart(tmp_path: Path) -> None:
+    """A final event published while the subscription was down still ends the wait."""
+    with redis_server(tmp_path) as server:
+
+        async def scenario() -> None:
+            client = aioredis.Redis.from_url(server.url)
+            finals = FinalEvents(client, sweep_s=0.5)
+            waiter = asyncio.create_task(finals.wait(["job_restart"], 60))
+            await asyncio.sleep(0.3)
+            server.stop()
+            await asyncio.sleep(0.5)
+            server.start()
+            # Published before the subscription is back: a sweep finds it.
+            EventPublisher(redis.Redis.from_url(server.url), ttl_s=60).publish(
+                "job_restart", "done", status="succeeded"
+            )
+            assert await asyncio.wait_for(waiter, 20) is True
+            await finals.close()
             await client.aclose()
 
         asyncio.run(scenario())

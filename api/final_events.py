@@ -1,0 +1,163 @@
+"""Waiting for jobs to end: one subscription per API process, not one blocking read per wait.
+
+Long polls (`GET /v1/jobs/{id}?wait=N`), submissions under `Prefer: wait` and cancellations
+wait for jobs' final events. Each such wait used to block a Redis connection of its own in an
+XREAD on its job's final-event stream, so a thousand long polls held a thousand connections
+(and past the pool's size, waited for one). Now every final event is also published, as the
+bare job id, on one channel (`keys.FINAL_EVENTS_CHANNEL`), and `FinalEvents` keeps one
+subscription to it for the whole process; a wait is a future that the job's id resolves.
+
+A wait may begin after its job has ended, so it first checks whether the job's final-event
+stream exists; the checks of the waits that begin together are one pipelined round trip. A
+final event published while the subscription is down (Redis restarting) is not lost either:
+after subscribing again, and every `SWEEP_S` while any wait is pending, the waiting jobs' streams
+are checked the same way. A worker that published before this channel existed is caught by
+those sweeps too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Collection
+
+import redis.asyncio as aioredis
+
+from core import keys
+
+log = logging.getLogger(__name__)
+
+SWEEP_S = 5.0
+"""How often the pending waits' jobs are checked for a final event the channel did not bring."""
+RETRY_S = (0.2, 5.0)
+"""First and longest pause before subscribing again after losing Redis."""
+
+
+class FinalEvents:
+    """The process's waits for final events (see the module docstring)."""
+
+    def __init__(self, client: aioredis.Redis, sweep_s: float = SWEEP_S) -> None:
+        self._redis = client
+        self._sweep_s = sweep_s
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._listener: asyncio.Task[None] | None = None
+        self._round: tuple[set[str], asyncio.Future[None]] | None = None
+        """The job ids the next check will read, and the future it resolves."""
+        self._checking: asyncio.Task[None] | None = None
+
+    async def wait(self, job_ids: Collection[str], timeout_s: float) -> bool:
+        """Wait until every one of the jobs has published its final event; False if `timeout_s`
+        passes first. Raises a Redis error if Redis cannot be asked whether they have ended."""
+        if not job_ids:
+            return True
+        self._listen()
+        loop = asyncio.get_running_loop()
+        futures = {job_id: loop.create_future() for job_id in job_ids}
+        for job_id, future in futures.items():
+            self._waiters.setdefault(job_id, []).append(future)
+        try:
+            await self._check(futures)  # a job may have ended before its wait began
+            pending = [future for future in futures.values() if not future.done()]
+            if pending and timeout_s > 0:
+                _, left = await asyncio.wait(pending, timeout=timeout_s)
+                return not left
+            return not pending
+        finally:
+            for job_id, future in futures.items():
+                self._forget(job_id, future)
+
+    def pending(self) -> int:
+        """Waits under way (one per job and wait)."""
+        return sum(len(futures) for futures in self._waiters.values())
+
+    async def close(self) -> None:
+        """Stop listening; pending waits run out their timeouts."""
+        for task in (self._listener, self._checking):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._listener = self._checking = None
+
+    def _forget(self, job_id: str, future: asyncio.Future[None]) -> None:
+        futures = self._waiters.get(job_id)
+        if futures is None:
+            return
+        futures.remove(future)
+        if not futures:
+            del self._waiters[job_id]
+
+    def _ended(self, job_id: str) -> None:
+        for future in self._waiters.get(job_id, ()):
+            if not future.done():
+                future.set_result(None)
+
+    async def _check(self, job_ids: Collection[str]) -> None:
+        """Resolve the waits of those jobs whose final-event stream exists.
+
+        A check that is under way was sent before these ids were known: they go in the next
+        one, which every caller arriving meanwhile shares.
+        """
+        if self._round is None:
+            self._round = (set(), asyncio.get_running_loop().create_future())
+        ids, done = self._round
+        ids.update(job_ids)
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.ensure_future(self._run_checks())
+        # A caller that goes away (its client hung up) does not cancel the others' check.
+        await asyncio.shield(done)
+
+    async def _run_checks(self) -> None:
+        while self._round is not None:
+            (ids, done), self._round = self._round, None
+            job_ids = [job_id for job_id in ids if job_id in self._waiters]
+            try:
+                pipe = self._redis.pipeline(transaction=False)
+                for job_id in job_ids:
+                    pipe.exists(keys.job_final_stream(job_id))
+                found = await pipe.execute() if job_ids else []
+            except Exception as exc:  # every caller of this round hears it
+                done.set_exception(exc)
+                done.exception()  # seen, even when every caller went away before it ended
+                continue
+            for job_id, exists in zip(job_ids, found, strict=True):
+                if exists:
+                    self._ended(job_id)
+            done.set_result(None)
+
+    def _listen(self) -> None:
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.ensure_future(self._subscribed())
+
+    async def _subscribed(self) -> None:
+        """Resolve waits from the channel until cancelled, subscribing again after errors."""
+        delay_s = RETRY_S[0]
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(keys.FINAL_EVENTS_CHANNEL)
+                delay_s = RETRY_S[0]
+                swept_at = 0.0  # what ended while unsubscribed is found by a sweep now
+                while True:
+                    if self._waiters and time.monotonic() - swept_at >= self._sweep_s:
+                        swept_at = time.monotonic()
+                        await self._check(list(self._waiters))
+                    message = await pubsub.get_message(timeout=self._sweep_s)
+                    if message is not None and message["type"] == "message":
+                        data = message["data"]
+                        self._ended(data.decode() if isinstance(data, bytes) else str(data))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis gone or restarting: the waits keep their timeouts
+                log.warning("final events: subscription lost (%r); again in %.1f s", exc, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, RETRY_S[1])
+            finally:
+                await asyncio.shield(_close(pubsub))
+
+
+async def _close(pubsub: aioredis.client.PubSub) -> None:
+    try:
+        await pubsub.aclose()
+    except Exception:  # its connection is already gone
+        log.debug("final events: closing the subscription failed", exc_info=True)

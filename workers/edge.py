@@ -140,7 +140,8 @@ class EdgeBatchingQoS(redis_transport.QoS):
             return None
 
     def ack(self, delivery_tag: str) -> None:
-        if self.channel.connection.acks_deferred:
+        # A closed channel has no connection: the stock path below handles its acks.
+        if getattr(self.channel.connection, "acks_deferred", False):
             virtual.QoS.ack(self, delivery_tag)  # the slot is free now; Redis hears at turn's end
             with self._acked_lock:
                 self._acked.append(delivery_tag)

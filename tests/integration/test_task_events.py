@@ -27,7 +27,24 @@ TOKENS = 600
 def events_worker(stack: Stack) -> Iterator[ExtraWorker]:
     worker = ExtraWorker(stack, NAME, concurrency=4, env={"INFERQ_TASK_EVENTS": "true"})
     with worker.running():
+        _wait_for_remote_control(stack)
         yield worker
+
+
+def _wait_for_remote_control(stack: Stack) -> None:
+    """Until the events worker answers a ping.
+
+    A worker announces itself ready before its event loop has subscribed to remote control, and
+    a broadcast sent in between goes unanswered: the test's first `active()` would then wait out
+    its timeout while the jobs (a second or two each) run to their end unseen.
+    """
+    app = make_celery_app(stack.local.settings)
+    try:
+        deadline = time.monotonic() + 60
+        while not app.control.ping(destination=[NAME], timeout=1):
+            assert time.monotonic() < deadline, f"{NAME} never answered a ping"
+    finally:
+        app.close()
 
 
 class EventLog(threading.Thread):
@@ -66,7 +83,7 @@ def _active_job_ids(stack: Stack) -> set[str]:
     """The job ids in the tasks Celery's remote control says the events worker runs now."""
     app = make_celery_app(stack.local.settings)
     try:
-        replies = app.control.inspect(destination=[NAME], timeout=5).active() or {}
+        replies = app.control.inspect(destination=[NAME], timeout=1).active() or {}
     finally:
         app.close()
     return {str(task["args"][0]) for task in replies.get(NAME, []) if task["args"]}

@@ -9,8 +9,6 @@ longer than the API's longest is cut to it.
 
 from __future__ import annotations
 
-from starlette.concurrency import run_in_threadpool
-
 from api.services import Services
 from core.models import Job
 from core.states import JobStatus
@@ -38,15 +36,8 @@ async def final_or_current(services: Services, jobs: list[Job], timeout_s: float
     if not waiting or timeout_s <= 0:
         return jobs
     await services.finals.wait(waiting, timeout_s)
-    current = await run_in_threadpool(_read, services, waiting)
+    current = await services.reads.get_many(waiting)
     return [current.get(job.id, job) for job in jobs]
-
-
-def _read(services: Services, job_ids: list[str]) -> dict[str, Job]:
-    if len(job_ids) == 1:  # a read by key (`JobStore.get`) skips the ORM
-        job = services.jobs.get(job_ids[0])
-        return {job.id: job} if job is not None else {}
-    return services.jobs.get_many(job_ids)
 
 
 async def honour_wait(

@@ -12,6 +12,7 @@ from celery import Celery
 from api.admission import QueueStateReader
 from api.batcher import SubmissionBatcher
 from api.final_events import FinalEvents
+from api.job_reads import JobReads
 from core.apikeys import KeyStore, Principal
 from core.db import Database
 from core.events import AsyncEventPublisher
@@ -69,6 +70,7 @@ class Services:
     quotas: QuotaLimiter
     queue_state: QueueStateReader
     finals: FinalEvents
+    reads: JobReads
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -108,6 +110,7 @@ class Services:
             quotas=QuotaLimiter(client, settings.job_key_ttl_s),
             queue_state=QueueStateReader(client),
             finals=FinalEvents(client),
+            reads=JobReads(jobs),
         )
 
     async def close(self) -> None:

@@ -133,7 +133,7 @@ async def get_job(
         raise NotFound(f"No job with id '{job_id}'.", param="job_id")
     if wait > 0 and not JobStatus(job.status).is_final:
         await services.finals.wait([job_id], wait)
-        job = await run_in_threadpool(services.jobs.get, job_id, principal.owner)
+        job = await services.reads.get(job_id)
         assert job is not None
     return JobOut.from_job(job)
 

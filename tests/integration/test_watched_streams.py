@@ -76,6 +76,9 @@ def test_a_redis_subscriber_gets_live_deltas_too(stack: Stack) -> None:
     key = stack.create_key(Tier.PREMIUM)  # the tier whose cap allows a long job
     job = stack.submit(key, prompt="Subscribe to me.", max_tokens=BLOCKER_TOKENS, ignore_eos=True)
     _wait_running(stack, key, job["id"])
+    # A job is running from before its prefill: give it time to make some tokens unwatched, or
+    # the text so far could be its first token alone.
+    time.sleep(1)
     subscriber = stack.redis.pubsub(ignore_subscribe_messages=True)
     subscriber.subscribe(keys.job_events_channel(job["id"]))
     try:

@@ -119,3 +119,17 @@ def test_a_failed_query_reaches_every_read_of_it(tmp_path: Path) -> None:
 
     failures = asyncio.run(together())
     assert all(isinstance(failure, OperationalError | ProgrammingError) for failure in failures)
+
+
+def test_a_lone_read_returns_the_whole_job_or_none(store: JobStore) -> None:
+    (job_id,) = _stored(store, 1)
+    selects = _jobs_selects(store)
+    reads = JobReads(store)
+
+    job = asyncio.run(reads.get(job_id))
+    missing = asyncio.run(reads.get("job_missing"))
+
+    assert job is not None and (job.id, job.prompt, job.tier) == (job_id, "Question 0?", "premium")
+    assert job.sampling_params == {"max_tokens": 8} and job.status == "queued"
+    assert missing is None
+    assert len(selects) == 2, selects

@@ -31,7 +31,8 @@ def test_objects_alive_at_the_freeze_are_out_of_reach_and_later_ones_are_not() -
 
     frozen = freeze_heap()
 
-    assert frozen == gc.get_freeze_count() > 0
+    # Frozen objects can still die (another thread's, meanwhile), so the count only falls.
+    assert 0 < gc.get_freeze_count() <= frozen
     assert not _tracked(before)  # full collections no longer walk it
     after = _Thing()
     assert _tracked(after)

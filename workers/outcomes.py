@@ -27,6 +27,7 @@ from core.models import Job, utcnow
 from core.resultcache import CachedResult
 from core.states import JobStatus, ServedFrom, final_event_type
 from workers.generation import GenerationResult
+from workers.leases import Leases
 from workers.metrics import observe_outcome
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,14 @@ class OutcomeRecorder:
         self,
         store: JobStore,
         publisher: EventPublisher,
-        release_lease: redis.commands.core.Script,
+        leases: Leases,
         *,
         before_final: Callable[[list[str]], None] | None = None,
         cache_ttl_s: int = 0,
     ) -> None:
         self.store = store
         self.publisher = publisher
-        self.release_lease = release_lease
+        self.leases = leases
         # Called with the ending jobs' ids before their outcomes are stored: publishes the
         # deltas still queued or held back, which precede them.
         self.before_final = before_final
@@ -144,10 +145,7 @@ class OutcomeRecorder:
                 bucket = keys.finished_bucket(int(time.time()) // 10)
                 pipe.incrby(bucket, len(written))
                 pipe.expire(bucket, 120)
-            for item in batch:
-                self.release_lease(
-                    keys=[keys.job_lease(item.job_id)], args=[item.lease_token], client=pipe
-                )
+            self.leases.release([(item.job_id, item.lease_token) for item in batch], pipe)
             pipe.execute()
         except redis.RedisError:
             # The database has the outcomes; readers that missed an event find it there.

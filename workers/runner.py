@@ -28,6 +28,7 @@ from core.metrics import IN_FLIGHT
 from core.settings import Settings
 from core.states import JobStatus
 from workers.generation import GenerationResult
+from workers.leases import Leases
 from workers.merging import MergingEngine
 from workers.metrics import WorkerStats
 from workers.outcomes import OutcomeRecorder
@@ -35,12 +36,6 @@ from workers.starting import UNAVAILABLE, JobStarting, Started, StartOutcome
 from workers.streams import DeltaPublisher
 
 log = logging.getLogger(__name__)
-
-# Delete a lease only if it is still ours: a lapsed lease may already belong to another worker.
-_RELEASE_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 STATS_TTL_S = 10
 """A worker whose heartbeat stops drops off the live list after this long."""
@@ -69,12 +64,12 @@ class JobRunner(JobStarting):
         self.worker_name = worker_name
         self.publisher = EventPublisher(redis_client, settings.job_key_ttl_s)
         self.stats = WorkerStats()
-        self._release = redis_client.register_script(_RELEASE_SCRIPT)
+        self.leases = Leases(redis_client, settings.lease_ttl_s)
         self.deltas = deltas
         self.outcomes = OutcomeRecorder(
             store,
             self.publisher,
-            self._release,
+            self.leases,
             before_final=deltas.flush if deltas else None,
             cache_ttl_s=settings.result_cache_ttl_s,
         )
@@ -219,11 +214,9 @@ class JobRunner(JobStarting):
         The heartbeat calls this every second; it also watches running jobs that have pub/sub
         subscribers, so their deltas go out live.
         """
-        lease_ms = int(self.settings.lease_ttl_s * 1000)
         running = list(self._running)
         pipe = self.redis.pipeline(transaction=False)
-        for job_id in running:
-            pipe.pexpire(keys.job_lease(job_id), lease_ms)
+        self.leases.renew(running, pipe)
         counters = self.stats.as_mapping()
         IN_FLIGHT.labels(self.worker_name).set(counters["in_flight"])
         pipe.hset(keys.worker_stats(self.worker_name), mapping=counters)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import redis
-from redis.commands.core import Script
 from sqlalchemy.exc import OperationalError
 
 from core import keys
@@ -28,6 +27,7 @@ from core.settings import Settings
 from core.states import JobStatus
 from core.tiers import engine_priority
 from workers.generation import GenerationRequest, GenerationResult
+from workers.leases import Leases
 from workers.merging import MergingEngine
 from workers.metrics import WorkerStats, observe_ended_unrun, observe_start
 from workers.outcomes import OutcomeRecorder
@@ -66,7 +66,7 @@ class JobStarting:
     stats: WorkerStats
     deltas: DeltaPublisher | None
     outcomes: OutcomeRecorder
-    _release: Script
+    leases: Leases
     _running: dict[str, str]
     # job id → lease tokens this worker may hold without knowing it (a claim or a release
     # whose reply was lost); freed before the job is claimed again.
@@ -113,29 +113,17 @@ class JobStarting:
         answers: dict[str, StartOutcome] = {}
         tokens = {job_id: f"{self.worker_name}:{time.monotonic_ns()}" for job_id in live}
         stale = {i: self._stale_leases.pop(i) for i in live if i in self._stale_leases}
-        lease_ms = int(self.settings.lease_ttl_s * 1000)
-        pipe = self.redis.pipeline(transaction=False)
-        offsets: dict[str, int] = {}  # where each job's SET reply is
-        for job_id in live:
-            for token in stale.get(job_id, ()):
-                self._release(keys=[keys.job_lease(job_id)], args=[token], client=pipe)
-            offsets[job_id] = len(pipe)
-            pipe.set(keys.job_lease(job_id), tokens[job_id], nx=True, px=lease_ms)
-            pipe.exists(keys.job_cancel_flag(job_id))
         try:
-            replies = pipe.execute()
+            if stale:
+                self.leases.release([(i, t) for i in live for t in stale.get(i, ())], self.redis)
+            # Claimed here (a live worker holds the others), and whether a cancel was asked for.
+            claimed = self.leases.claimed(live, self.leases.claim(tokens, self.redis))
         except redis.RedisError:
             # Redis may have set some leases before the reply was lost: were they kept, the
             # retry would take this worker's own lease for another's and skip the jobs.
             for job_id in live:
                 self._stale_leases[job_id] = [*stale.get(job_id, ()), tokens[job_id]]
             raise
-        # Claimed here (a live worker holds the others), and whether a cancel was asked for.
-        claimed = {
-            job_id: bool(replies[offsets[job_id] + 1])
-            for job_id in live
-            if replies[offsets[job_id]]
-        }
         try:
             started = self._start_claimed(jobs, claimed, answers)
         except Exception:
@@ -246,25 +234,23 @@ class JobStarting:
         if not job_ids:
             return
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            for job_id in job_ids:
-                pipe.exists(keys.job_cancel_flag(job_id))
-                pipe.exists(keys.job_watched(job_id))
-            flags = pipe.execute()
+            flags = self.redis.mget(
+                [key for i in job_ids for key in (keys.job_cancel_flag(i), keys.job_watched(i))]
+            )
         except redis.RedisError:
             log.warning(
                 "could not check %d jobs for cancels and readers", len(job_ids), exc_info=True
             )
             return
         for index, job_id in enumerate(job_ids):
-            if flags[2 * index]:
+            if flags[2 * index] is not None:
                 self.cancel(job_id)
-            if flags[2 * index + 1]:
+            if flags[2 * index + 1] is not None:
                 self.watch(job_id)
 
     def _release_lease(self, job_id: str, token: str) -> None:
         try:
-            self._release(keys=[keys.job_lease(job_id)], args=[token])
+            self.leases.release([(job_id, token)], self.redis)
         except redis.RedisError:  # it lapses by itself, or goes before the job's next claim
             log.warning("job %s: could not release its lease", job_id, exc_info=True)
             self._stale_leases.setdefault(job_id, []).append(token)

@@ -118,20 +118,13 @@ def test_a_claim_whose_reply_was_lost_is_claimed_again(
     """Redis set the lease, the reply never came: the retry must not take this worker's own
     lease for a live worker's and skip the job (it would stay queued with no message)."""
     job_id = parts.queued_job("Claim me.")
-    pipeline = parts.redis.pipeline
+    claim = parts.runner.leases.claim
 
-    def losing_replies(*args: Any, **kwargs: Any) -> Any:
-        pipe = pipeline(*args, **kwargs)
-        execute = pipe.execute
+    def claim_then_lose_the_reply(*args: Any, **kwargs: Any) -> Any:
+        claim(*args, **kwargs)
+        raise redis.ConnectionError("connection lost before the reply")
 
-        def execute_then_lose_the_reply(*a: Any, **k: Any) -> Any:
-            execute(*a, **k)
-            raise redis.ConnectionError("connection lost before the reply")
-
-        pipe.execute = execute_then_lose_the_reply
-        return pipe
-
-    monkeypatch.setattr(parts.redis, "pipeline", losing_replies)
+    monkeypatch.setattr(parts.runner.leases, "claim", claim_then_lose_the_reply)
     with pytest.raises(redis.ConnectionError):
         parts.runner._start_batch([job_id])
     monkeypatch.undo()

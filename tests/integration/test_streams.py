@@ -22,6 +22,7 @@ from tests.support import (
     wait_final,
 )
 from workers.generation import Delta, GenerationResult
+from workers.leases import Leases
 from workers.outcomes import OutcomeRecorder
 from workers.streams import DeltaPublisher
 
@@ -249,8 +250,7 @@ def test_a_job_is_stored_final_only_after_its_deltas_are_published(stack: Stack)
         status_when_flushed.append(row.status)
         deltas.flush(job_ids)
 
-    release = stack.redis.register_script("return 0")
-    recorder = OutcomeRecorder(store, publisher, release, before_final=flush)
+    recorder = OutcomeRecorder(store, publisher, Leases(stack.redis, 60), before_final=flush)
     deltas.publish_step(
         [Delta(job.id, job.attempt, "Hello, ", 2), Delta(job.id, job.attempt, "world", 1)]
     )

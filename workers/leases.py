@@ -1,0 +1,94 @@
+"""Job leases in Redis, claimed, renewed and released for a whole batch of jobs in one call.
+
+A worker holds a job while a key with its own token lives (`keys.job_lease`). A burst of jobs is
+claimed, renewed and released by one script call each, not one command per job: on a host where
+the engine ends a burst of 256 short jobs in under a second, the client side of a few hundred
+pipelined commands is a measurable share of the worker's CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis
+
+from core import keys
+
+# KEYS: n lease keys, then the same n jobs' cancel flags. ARGV: the lease in ms, then n tokens.
+# Per job: 0 if another worker holds it, 1 if claimed here, 2 if claimed and a cancel was asked.
+_CLAIM_SCRIPT = """
+local n = #KEYS / 2
+local answers = {}
+for i = 1, n do
+  if redis.call('SET', KEYS[i], ARGV[i + 1], 'NX', 'PX', ARGV[1]) then
+    answers[i] = 1 + redis.call('EXISTS', KEYS[n + i])
+  else
+    answers[i] = 0
+  end
+end
+return answers
+"""
+
+# Delete each lease only if it is still ours (KEYS[i] holds ARGV[i]): a lapsed lease may already
+# belong to another worker. Returns how many were deleted.
+_RELEASE_SCRIPT = """
+local released = 0
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[i] then
+    released = released + redis.call('DEL', KEYS[i])
+  end
+end
+return released
+"""
+
+# Extend each lease to ARGV[1] ms.
+_RENEW_SCRIPT = """
+for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[1]) end
+return #KEYS
+"""
+
+Client = redis.Redis | redis.client.Pipeline
+
+
+class Leases:
+    """The lease scripts, registered on one client; each call may go on a pipeline instead."""
+
+    def __init__(self, client: redis.Redis, ttl_s: float) -> None:
+        self.ttl_ms = int(ttl_s * 1000)
+        self._claim = client.register_script(_CLAIM_SCRIPT)
+        self._release = client.register_script(_RELEASE_SCRIPT)
+        self._renew = client.register_script(_RENEW_SCRIPT)
+
+    def claim(self, tokens: Mapping[str, str], client: Client) -> Any:
+        """Claim each job (id → new token) unless another holds it; see `claimed` for the reply."""
+        if not tokens:
+            return []
+        job_ids = list(tokens)
+        script_keys = [keys.job_lease(i) for i in job_ids]
+        script_keys += [keys.job_cancel_flag(i) for i in job_ids]
+        return self._claim(keys=script_keys, args=[self.ttl_ms, *tokens.values()], client=client)
+
+    @staticmethod
+    def claimed(job_ids: Sequence[str], reply: Sequence[int]) -> dict[str, bool]:
+        """From `claim`'s reply: job id → whether a cancel was asked, for the jobs claimed here."""
+        answers = zip(job_ids, reply, strict=True)
+        return {job_id: answer == 2 for job_id, answer in answers if answer}
+
+    def release(self, leases: Sequence[tuple[str, str]], client: Client) -> Any:
+        """Delete the leases, given as (job id, token), that are still held with their tokens."""
+        if not leases:
+            return 0
+        return self._release(
+            keys=[keys.job_lease(job_id) for job_id, _ in leases],
+            args=[token for _, token in leases],
+            client=client,
+        )
+
+    def renew(self, job_ids: Sequence[str], client: Client) -> Any:
+        """Extend the jobs' leases by the lease time from now."""
+        if not job_ids:
+            return 0
+        return self._renew(
+            keys=[keys.job_lease(i) for i in job_ids], args=[self.ttl_ms], client=client
+        )

@@ -329,6 +329,12 @@ def summarize(rounds: Rounds, startup: Startup) -> dict[str, Any]:
         used = result.extra["cpu_s"]
         parts = ", ".join(f"{role} {seconds:.2f}" for role, seconds in used.items() if seconds)
         print(f"{result.mode}: {sum(used.values()):.2f} s in {result.wall_s:.2f} s: {parts}")
+    serving_ms = {result.mode: serving_ms_per_job(result) for result in results}
+    print(
+        "CPU ms per job besides the engine core (the serving side; on a CPU host it shares the "
+        "vCPUs vLLM's forward pass leaves): "
+        + ", ".join(f"{mode} {ms:.2f}" for mode, ms in serving_ms.items())
+    )
     for result in results:
         if result.succeeded != result.jobs:
             print(f"WARNING: {result.mode}: only {result.succeeded}/{result.jobs} jobs succeeded")
@@ -338,9 +344,22 @@ def summarize(rounds: Rounds, startup: Startup) -> dict[str, Any]:
         "paired_ratios": {mode: [round(r, 4) for r in values] for mode, values in paired.items()},
         "throughput_target": THROUGHPUT_TARGET,
         "added_ttft_p50_ms": {mode: round(ms, 2) for mode, ms in added_ttft_ms.items()},
+        "serving_cpu_ms_per_job": {mode: round(ms, 3) for mode, ms in serving_ms.items()},
         "results": results,
     }
     return figures
+
+
+def serving_ms_per_job(result: ModeResult) -> float:
+    """CPU milliseconds per job of every process but vLLM's engine core (and forward pass).
+
+    In the engine alone that is its front end (this process); for vLLM's server, the server and
+    the HTTP client; for inferq, the worker (the engine's front end included), API, Redis,
+    scheduler and client. It is the cost per job a queue in front of the engine adds to it.
+    """
+    used = result.extra["cpu_s"]
+    serving = sum(seconds for role, seconds in used.items() if role != "engine core")
+    return 1000 * serving / result.jobs if result.jobs else 0.0
 
 
 if __name__ == "__main__":

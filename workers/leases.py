@@ -8,7 +8,8 @@ pipelined commands is a measurable share of the worker's CPU.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -92,3 +93,47 @@ class Leases:
         return self._renew(
             keys=[keys.job_lease(i) for i in job_ids], args=[self.ttl_ms], client=client
         )
+
+
+class StaleLeases:
+    """Lease tokens this worker may hold without knowing it: a claim or a release whose reply
+    was lost. Thread-safe: the starter, the outcome recorder and the heartbeat all use it.
+
+    Until such a lease is released, another worker that gets the job's message finds it held
+    and skips the job. The starter releases a job's stale tokens before claiming it again, and
+    the heartbeat releases whatever is left (`pending`, then `forget` once Redis has answered),
+    so none waits for the lease to lapse or stays here after its job has gone elsewhere.
+    """
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, list[str]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, job_id: str, tokens: Sequence[str]) -> None:
+        """Note tokens of the job's lease that may still be set in Redis."""
+        with self._lock:
+            self._tokens.setdefault(job_id, []).extend(tokens)
+
+    def take(self, job_ids: Iterable[str]) -> list[tuple[str, str]]:
+        """Remove and return the (job id, token) pairs noted for these jobs."""
+        with self._lock:
+            return [(i, t) for i in job_ids for t in self._tokens.pop(i, ())]
+
+    def pending(self) -> list[tuple[str, str]]:
+        """Every (job id, token) pair noted, left in place (see `forget`)."""
+        with self._lock:
+            return [(i, t) for i, tokens in self._tokens.items() for t in tokens]
+
+    def forget(self, released: Iterable[tuple[str, str]]) -> None:
+        """Drop pairs whose release Redis has answered; tokens noted since are kept."""
+        with self._lock:
+            for job_id, token in released:
+                tokens = self._tokens.get(job_id)
+                if tokens is not None and token in tokens:
+                    tokens.remove(token)
+                    if not tokens:
+                        del self._tokens[job_id]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(tokens) for tokens in self._tokens.values())

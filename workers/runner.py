@@ -28,7 +28,7 @@ from core.metrics import IN_FLIGHT
 from core.settings import Settings
 from core.states import JobStatus
 from workers.generation import GenerationResult
-from workers.leases import Leases
+from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
 from workers.metrics import WorkerStats
 from workers.outcomes import OutcomeRecorder
@@ -78,7 +78,7 @@ class JobRunner(JobStarting):
         self._idle = threading.Condition()
         # job id → engine request id, for every job this worker is running
         self._running: dict[str, str] = {}
-        self._stale_leases: dict[str, list[str]] = {}
+        self._stale_leases = StaleLeases()
         self._to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]] = queue.SimpleQueue()
         self._starter = threading.Thread(
             target=self._start_loop, name="inferq-starter", daemon=True
@@ -211,12 +211,15 @@ class JobRunner(JobStarting):
     def renew_leases(self) -> None:
         """Extend the lease of every job in flight here, and publish this worker's counters.
 
-        The heartbeat calls this every second; it also watches running jobs that have pub/sub
-        subscribers, so their deltas go out live.
+        The heartbeat calls this every second; it also releases the leases this worker may
+        still hold without knowing it (`StaleLeases`), and watches running jobs that have
+        pub/sub subscribers, so their deltas go out live.
         """
         running = list(self._running)
+        stale = self._stale_leases.pending()
         pipe = self.redis.pipeline(transaction=False)
         self.leases.renew(running, pipe)
+        self.leases.release(stale, pipe)
         counters = self.stats.as_mapping()
         IN_FLIGHT.labels(self.worker_name).set(counters["in_flight"])
         pipe.hset(keys.worker_stats(self.worker_name), mapping=counters)
@@ -226,6 +229,7 @@ class JobRunner(JobStarting):
             # Readers subscribed to a job's channel straight on Redis watch it too.
             pipe.pubsub_numsub(*(keys.job_events_channel(job_id) for job_id in running))
         replies = pipe.execute()
+        self._stale_leases.forget(stale)
         if running and self.deltas is not None:
             for job_id, (_channel, subscribers) in zip(running, replies[-1], strict=True):
                 if subscribers:

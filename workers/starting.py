@@ -27,7 +27,7 @@ from core.settings import Settings
 from core.states import JobStatus
 from core.tiers import engine_priority
 from workers.generation import GenerationRequest, GenerationResult
-from workers.leases import Leases
+from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
 from workers.metrics import WorkerStats, observe_ended_unrun, observe_start
 from workers.outcomes import OutcomeRecorder
@@ -68,9 +68,7 @@ class JobStarting:
     outcomes: OutcomeRecorder
     leases: Leases
     _running: dict[str, str]
-    # job id → lease tokens this worker may hold without knowing it (a claim or a release
-    # whose reply was lost); freed before the job is claimed again.
-    _stale_leases: dict[str, list[str]]
+    _stale_leases: StaleLeases
     _to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]]
 
     def watch(self, job_id: str) -> None:
@@ -112,17 +110,19 @@ class JobStarting:
         live = [i for i in ids if i in jobs and not JobStatus(jobs[i].status).is_final]
         answers: dict[str, StartOutcome] = {}
         tokens = {job_id: f"{self.worker_name}:{time.monotonic_ns()}" for job_id in live}
-        stale = {i: self._stale_leases.pop(i) for i in live if i in self._stale_leases}
+        stale = self._stale_leases.take(live)
         try:
             if stale:
-                self.leases.release([(i, t) for i in live for t in stale.get(i, ())], self.redis)
+                self.leases.release(stale, self.redis)
             # Claimed here (a live worker holds the others), and whether a cancel was asked for.
             claimed = self.leases.claimed(live, self.leases.claim(tokens, self.redis))
         except redis.RedisError:
             # Redis may have set some leases before the reply was lost: were they kept, the
             # retry would take this worker's own lease for another's and skip the jobs.
+            for job_id, token in stale:
+                self._stale_leases.add(job_id, [token])
             for job_id in live:
-                self._stale_leases[job_id] = [*stale.get(job_id, ()), tokens[job_id]]
+                self._stale_leases.add(job_id, [tokens[job_id]])
             raise
         try:
             started = self._start_claimed(jobs, claimed, answers)
@@ -253,7 +253,7 @@ class JobStarting:
             self.leases.release([(job_id, token)], self.redis)
         except redis.RedisError:  # it lapses by itself, or goes before the job's next claim
             log.warning("job %s: could not release its lease", job_id, exc_info=True)
-            self._stale_leases.setdefault(job_id, []).append(token)
+            self._stale_leases.add(job_id, [token])
 
 
 def _queue_expired(job: Job) -> bool:

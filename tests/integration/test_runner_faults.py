@@ -133,3 +133,55 @@ def test_a_claim_whose_reply_was_lost_is_claimed_again(
     assert isinstance(answers.get(job_id), Started), answers
     stored = parts.store.get(job_id)
     assert stored is not None and (stored.status, stored.attempt) == ("running", 1)
+
+
+def test_a_lease_whose_claim_reply_was_lost_is_released_by_the_next_heartbeat(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until the lease this worker set without knowing it goes, another worker handed the job
+    skips it: the heartbeat frees it, rather than the lease lapsing or the job coming back here."""
+    job_id = parts.queued_job("Claim me, then go elsewhere.")
+    claim = parts.runner.leases.claim
+
+    def claim_then_lose_the_reply(*args: Any, **kwargs: Any) -> Any:
+        claim(*args, **kwargs)
+        raise redis.ConnectionError("connection lost before the reply")
+
+    monkeypatch.setattr(parts.runner.leases, "claim", claim_then_lose_the_reply)
+    with pytest.raises(redis.ConnectionError):
+        parts.runner._start_batch([job_id])
+    monkeypatch.undo()
+
+    other_worker = {job_id: "other@inferq-test:1"}
+    held = parts.runner.leases.claimed([job_id], claim(other_worker, parts.redis))
+    assert held == {}, "the lost claim's lease is still set, so another worker skips the job"
+
+    parts.runner.renew_leases()
+
+    assert len(parts.runner._stale_leases) == 0
+    taken = parts.runner.leases.claimed([job_id], claim(other_worker, parts.redis))
+    assert taken == {job_id: False}
+    assert parts.redis.get(keys.job_lease(job_id)) == b"other@inferq-test:1"
+
+
+def test_a_heartbeat_that_fails_keeps_the_leases_to_release(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stale lease whose release the heartbeat could not send is released by the next one."""
+    job_id = parts.queued_job("Release me later.")
+    token = "faults@inferq-test:stale"
+    parts.redis.set(keys.job_lease(job_id), token, px=60_000)
+    parts.runner._stale_leases.add(job_id, [token])
+
+    def broken_pipeline(*_: Any, **__: Any) -> Any:
+        raise redis.ConnectionError("Redis is out")
+
+    monkeypatch.setattr(parts.runner.redis, "pipeline", broken_pipeline)
+    with pytest.raises(redis.ConnectionError):
+        parts.runner.renew_leases()
+    monkeypatch.undo()
+    assert len(parts.runner._stale_leases) == 1
+
+    parts.runner.renew_leases()
+    assert len(parts.runner._stale_leases) == 0
+    assert parts.redis.get(keys.job_lease(job_id)) is None

@@ -180,6 +180,24 @@ class EdgeBatchingQoS(redis_transport.QoS):
             virtual.QoS.ack(self, delivery_tag)
 
 
+class JobsHeld:
+    """The `jobs_held` transport option: how many jobs the worker holds, asked when called.
+
+    Celery's remote control sends the transport options back as JSON (`celery inspect stats`,
+    which Flower's worker page reads), so this gives its current count there; a bare bound
+    method cannot be encoded and made the whole reply fail.
+    """
+
+    def __init__(self, count: Callable[[], int]) -> None:
+        self._count = count
+
+    def __call__(self) -> int:
+        return self._count()
+
+    def __json__(self) -> int:
+        return self._count()
+
+
 class EdgeBatchingChannel(redis_transport.Channel):
     """A Redis channel that follows each BRPOP with one bulk take (see the module docstring)."""
 

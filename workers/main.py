@@ -21,6 +21,7 @@ from core.tracing import init_tracing
 from core.tracing import shutdown as shutdown_tracing
 from scheduler.queues import make_celery_app
 from workers.devices import DeviceSpec, pin_devices
+from workers.edge import JobsHeld
 from workers.merging import MergingEngine
 from workers.metrics import DeviceMemory
 from workers.runner import JobRunner
@@ -151,7 +152,7 @@ def run_worker(
     app.conf.broker_transport_options = {
         **app.conf.broker_transport_options,
         "edge_batch": settings.edge_batch,
-        "jobs_held": runner.held,
+        "jobs_held": JobsHeld(runner.held),
     }
     # Each message's job goes straight to the runner, unless task events need Celery's own
     # per-task requests (see workers.tasks).

@@ -10,11 +10,14 @@ on (Flower's task pages are built from the events it sends).
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from celery import Celery, Task
+from celery.worker import state as worker_state
 from opentelemetry.trace import SpanKind
 
 from core.states import JobStatus
@@ -68,14 +71,60 @@ def direct_strategy(
             "inferq.run_job", context=context_from(message.headers or {}), kind=SpanKind.CONSUMER
         )
         span.set_attribute("inferq.job_id", job_id)
-        runner.submit(job_id, partial(_ended, span, partial(ack, log, errors)))
+        running = RunningTask(message, task.name, job_id, consumer.hostname)
+        worker_state.task_accepted(running)
+        runner.submit(job_id, partial(_ended, span, partial(ack, log, errors), running))
 
     return on_message
 
 
-def _ended(span: Any, ack: Callable[[], None], status: JobStatus | None) -> None:
+class RunningTask:
+    """A job the direct strategy runs, as Celery's worker state lists it.
+
+    Celery's remote control (`celery inspect active`, Flower's worker page) lists the requests
+    in `celery.worker.state.active_requests` and counts the accepted ones by task name; the
+    direct strategy makes no `Request`, so this stands in for one from acceptance to the end.
+    """
+
+    def __init__(self, message: Any, name: str, job_id: str, hostname: str) -> None:
+        headers = message.headers or {}
+        self.id = str(headers.get("id") or message.properties.get("correlation_id") or job_id)
+        self.name = name
+        self.job_id = job_id
+        self.hostname = hostname
+        self.time_start = time.time()
+        self.acknowledged = False
+        delivery = message.delivery_info or {}
+        self.delivery_info = {
+            key: delivery.get(key) for key in ("exchange", "routing_key", "priority", "redelivered")
+        }
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        """What `celery inspect active` reports for this task (Celery's `Request.info`)."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "args": [self.job_id] if not safe else repr([self.job_id]),
+            "kwargs": {} if not safe else "{}",
+            "type": self.name,
+            "hostname": self.hostname,
+            "time_start": self.time_start,
+            "acknowledged": self.acknowledged,
+            "delivery_info": self.delivery_info,
+            "worker_pid": os.getpid(),
+        }
+
+
+def _ended(
+    span: Any, ack: Callable[[], None], running: RunningTask | None, status: JobStatus | None
+) -> None:
     try:
         span.set_attribute("inferq.status", status.value if status else "skipped")
         span.end()
     finally:  # an unacknowledged message would hold one of the worker's slots
-        ack()
+        try:
+            ack()
+        finally:
+            if running is not None:
+                running.acknowledged = True
+                worker_state.task_ready(running, successful=status is JobStatus.SUCCEEDED)

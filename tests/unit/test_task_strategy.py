@@ -21,5 +21,5 @@ class BrokenSpan:
 def test_the_message_is_acknowledged_even_when_its_span_fails() -> None:
     acks: list[str] = []
     with pytest.raises(RuntimeError):
-        _ended(BrokenSpan(), lambda: acks.append("ack"), JobStatus.SUCCEEDED)
+        _ended(BrokenSpan(), lambda: acks.append("ack"), None, JobStatus.SUCCEEDED)
     assert acks == ["ack"]  # else it would hold one of the worker's slots until a reconnect

@@ -95,7 +95,6 @@ class Startup:
 def run_rounds(
     settings: Settings,
     workload: Workload,
-    ports: tuple[int, int],
     args: argparse.Namespace,
 ) -> tuple[Rounds, Startup]:
     """Start the engine alone, vLLM's server and a stack side by side; run `repeat` rounds.
@@ -103,20 +102,22 @@ def run_rounds(
     All three stay up through every round, so each round compares the modes within the same
     minute: on a shared host, the speed of the machine drifts by a fifth over the minutes that
     running one mode after the other took. While one side runs, the others' processes are
-    stopped (SIGSTOP), so no mode pays for another's idle timers and heartbeats. `ports` are
-    the API's and vLLM's server's; `args` give the rounds, engine metrics and inferq's client.
+    stopped (SIGSTOP), so no mode pays for another's idle timers and heartbeats. `args` give
+    the rounds, engine metrics and inferq's client. Each server's port is picked just before it
+    starts: one picked earlier could be taken meanwhile by the engine's own sockets.
     """
+    from inferq.local import free_port
+
     rounds = Rounds()
-    api_port, server_port = ports
     server_log = settings.data_dir / "vllm-server.log"
     repeat, prefer_wait = args.repeat, not args.no_prefer_wait
     with engine_alone(settings, workload, args.engine_metrics) as (run_engine, startup_s):
         engine_processes = descendants()  # its engine core and forward pass
         started = time.perf_counter()
-        with vllm_server(settings, server_port, server_log) as (server_url, server_pid):
+        with vllm_server(settings, free_port(), server_log) as (server_url, server_pid):
             server_startup_s = time.perf_counter() - started
             server_processes = {server_pid} | descendants(server_pid)
-            with running_stack(settings, api_port) as (api_url, key, stack_startup_s):
+            with running_stack(settings, free_port()) as (api_url, key, stack_startup_s):
                 stack_processes = descendants() - engine_processes - server_processes
                 sides = engine_processes | server_processes | stack_processes
                 everything = sides | {os.getpid()}
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     succeeded = False
     try:
         print("starting the engine alone here, vLLM's server, and redis, worker and API …")
-        rounds, startup = run_rounds(settings, workload, (free_port(), free_port()), args)
+        rounds, startup = run_rounds(settings, workload, args)
         succeeded = True
     finally:
         if succeeded:

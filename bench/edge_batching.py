@@ -16,20 +16,16 @@ import argparse
 import asyncio
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import redis
-from report import machine_info, percentile, running_stack
+from report import bench_settings, local_model, machine_info, own_redis, percentile, running_stack
 from scheduling import _batch, _span_s, _wait
-
-from core.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = (("one per BRPOP", "1"), ("edge batch 32", "32"))
@@ -80,14 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
 
-    from inferq.local import free_port, redis_reachable, redis_server_command
-    from workers.localmodel import init_local_model, is_model_dir
+    from inferq.local import free_port
 
     machine = machine_info()
     work_root = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    model_dir = REPO_ROOT / ".inferq" / "model"
-    if not is_model_dir(model_dir):
-        model_dir = init_local_model(work_root / "model")
+    model_dir = local_model(work_root)
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
         f"workload: {args.jobs} jobs x {args.max_tokens} tokens, posted in batches of 100\n",
@@ -95,32 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: dict[str, dict[str, Any]] = {}
     for label, edge_batch in SETTINGS:
-        work_dir = work_root / f"edge-{edge_batch}"
-        settings = Settings(
-            data_dir=work_dir,
-            database_url=f"sqlite:///{work_dir / 'inferq.db'}",
-            redis_url=f"redis://127.0.0.1:{free_port()}/0",
-            model=str(model_dir.resolve()),
-        )
-        work_dir.mkdir(parents=True)
+        settings = bench_settings(work_root / f"edge-{edge_batch}", model_dir)
         env = {"INFERQ_EDGE_BATCH": edge_batch, "INFERQ_RESULT_CACHE_TTL_S": "0"}
-        # The stack's own redis-server, started here so its command counts can be read.
-        port = int(settings.redis_url.rsplit(":", 1)[1].split("/")[0])
-        server = subprocess.Popen(
-            redis_server_command(shutil.which("redis-server") or "redis-server", port, work_dir),
-            stdout=subprocess.DEVNULL,
-        )
-        client = redis.Redis.from_url(settings.redis_url)
-        try:
-            while not redis_reachable(settings.redis_url):
-                time.sleep(0.1)
-            with running_stack(settings, free_port(), env) as (api_url, key, _):
-                before = _command_calls(client)
-                done = asyncio.run(run(api_url, key, args.jobs, args.max_tokens))
-                after = _command_calls(client)
-        finally:
-            server.terminate()
-            server.wait()
+        # The stack's own redis-server, so its command counts can be read.
+        with (
+            own_redis(settings) as client,
+            running_stack(settings, free_port(), env) as (api_url, key, _),
+        ):
+            before = _command_calls(client)
+            done = asyncio.run(run(api_url, key, args.jobs, args.max_tokens))
+            after = _command_calls(client)
         calls = {name: after[name] - before.get(name, 0) for name in after}
         waits = [job["timings"]["queue_s"] for job in done if job["timings"]["queue_s"]]
         results[label] = {

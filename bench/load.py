@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,9 +36,7 @@ from typing import Any
 
 import aiohttp
 import redis
-from report import machine_info, percentile, running_stack
-
-from core.settings import Settings
+from report import bench_settings, machine_info, own_redis, percentile, running_stack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 P95_TARGET_MS = 50.0
@@ -298,20 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
 
-    from inferq.local import free_port, redis_reachable, redis_server_command
-    from workers.localmodel import init_local_model, is_model_dir
+    from inferq.local import free_port
 
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-load-"))
-    model_dir = REPO_ROOT / ".inferq" / "model"
-    if not is_model_dir(model_dir):
-        model_dir = init_local_model(work_dir / "model")
-    settings = Settings(
-        data_dir=work_dir,
-        database_url=f"sqlite:///{work_dir / 'inferq.db'}",
-        redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        model=str(model_dir.resolve()),
-    )
+    settings = bench_settings(work_dir)
     env = {"INFERQ_TIERS": json.dumps(HOUR_TIERS)}
     mode = "with one CPU worker" if args.worker else "no worker"
     print(
@@ -320,17 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.step_s:g} s each, open loop; {mode}; /healthz every {HEALTH_PROBE_S:g} s\n",
         flush=True,
     )
-    port = int(settings.redis_url.rsplit(":", 1)[1].split("/")[0])
-    server = subprocess.Popen(
-        redis_server_command(shutil.which("redis-server") or "redis-server", port, work_dir),
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis.from_url(settings.redis_url)
     ok = False
     try:
-        while not redis_reachable(settings.redis_url):
-            time.sleep(0.1)
-        with running_stack(settings, free_port(), env, worker=args.worker) as (api_url, key, _):
+        # The stack's own redis-server, so the jobs waiting after each step can be counted.
+        with (
+            own_redis(settings) as client,
+            running_stack(settings, free_port(), env, worker=args.worker) as (api_url, key, _),
+        ):
             steps = asyncio.run(
                 run_load(
                     api_url, key, rates, args.step_s, args.max_tokens, client, args.stop_p95_ms
@@ -338,8 +322,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         ok = True
     finally:
-        server.terminate()
-        server.wait()
         if ok:
             shutil.rmtree(work_dir, ignore_errors=True)
         else:

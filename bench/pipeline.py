@@ -39,6 +39,7 @@ from drivers import (
 )
 from report import (
     ModeResult,
+    bench_settings,
     cpu_use,
     descendants,
     format_table,
@@ -197,23 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     # Like for like: the worker's engine keeps per-step statistics only if the engine alone does.
     os.environ["INFERQ_ENGINE_METRICS"] = "true" if args.engine_metrics else "false"
 
-    from inferq.local import free_port
-    from workers.localmodel import init_local_model, is_model_dir
+    from workers.localmodel import is_model_dir
 
     workload = Workload(args.jobs, args.max_tokens)
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    model_dir = args.model or REPO_ROOT / ".inferq" / "model"
-    if not is_model_dir(model_dir):
-        model_dir = init_local_model(work_dir / "model")
-    # One Settings for both modes; the children read the same values from their environment.
-    # The Redis URL points at a port nobody serves, so LocalStack starts its own redis-server.
-    settings = Settings(
-        data_dir=work_dir,
-        database_url=args.database_url or f"sqlite:///{work_dir / 'inferq.db'}",
-        redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        model=str(model_dir.resolve()),
-    )
+    # One Settings for every mode; the children read the same values from their environment.
+    model_dir = args.model if args.model and is_model_dir(args.model) else None
+    settings = bench_settings(work_dir, model_dir, args.database_url)
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; "
         f"Python {machine['python']}, {machine['vllm']}\n"

@@ -29,10 +29,8 @@ from typing import Any
 
 import aiohttp
 import httpx
-from report import machine_info, percentile, running_stack
+from report import bench_settings, machine_info, percentile, running_stack
 from vllm_server import running_server
-
-from core.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = "{document}\n\nQuestion: {question}\nAnswer:"
@@ -162,14 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     from core.db import Database
     from core.tiers import Tier
     from inferq.local import free_port
-    from workers.localmodel import init_local_model, is_model_dir
 
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    model_dir = REPO_ROOT / ".inferq" / "model"
-    if not is_model_dir(model_dir):
-        model_dir = init_local_model(work_dir / "model")
-    model = str(model_dir.resolve())
+    settings = bench_settings(work_dir)
+    model = settings.model_path
     document, asked = workload(args.questions)
     prompts = [TEMPLATE.replace("{document}", document).replace("{question}", q) for q in asked]
     print(
@@ -177,12 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         f"workload: one document ({len(document)} chars) x {args.questions} questions, "
         f"{args.max_tokens} tokens each, temperature 0\n",
         flush=True,
-    )
-    settings = Settings(
-        data_dir=work_dir,
-        database_url=f"sqlite:///{work_dir / 'inferq.db'}",
-        redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        model=model,
     )
     results: dict[str, dict[str, Any]] = {}
     with running_stack(settings, free_port(), {"INFERQ_RESULT_CACHE_TTL_S": "0"}) as (url, _, _):

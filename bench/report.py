@@ -1,11 +1,14 @@
-"""Shared by the benchmarks: per-mode results, percentiles, machine facts, table and chart."""
+"""Shared by the benchmarks: per-mode results, percentiles, machine facts, table and chart, and
+the local stack each one runs on (its settings, its own Redis, its processes)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import platform
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,7 +16,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from core.settings import Settings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -275,3 +282,57 @@ def running_stack(
         yield api_url, key, time.perf_counter() - started
     finally:
         stack.stop()
+
+
+def local_model(work_dir: Path) -> Path:
+    """The repository's local model (`inferq model init`), or one made in `work_dir`."""
+    from workers.localmodel import init_local_model, is_model_dir
+
+    model_dir = REPO_ROOT / ".inferq" / "model"
+    return model_dir if is_model_dir(model_dir) else init_local_model(work_dir / "model")
+
+
+def bench_settings(
+    work_dir: Path, model_dir: Path | None = None, database_url: str | None = None
+) -> Settings:
+    """Settings for a benchmark's own stack in `work_dir` (made if missing).
+
+    SQLite in `work_dir` unless `database_url` is given; `model_dir`, else `local_model`; a Redis
+    URL on a free port that nobody serves, so `running_stack` starts a redis-server of its own
+    there (or `own_redis` does, to read its figures).
+    """
+    from inferq.local import free_port
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = model_dir or local_model(work_dir)
+    return Settings(
+        data_dir=work_dir,
+        database_url=database_url or f"sqlite:///{work_dir / 'inferq.db'}",
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        model=str(model_dir.resolve()),
+    )
+
+
+@contextlib.contextmanager
+def own_redis(settings: Settings) -> Iterator[redis.Redis]:
+    """A redis-server of the benchmark's own on `settings.redis_url`'s port, its files in the
+    settings' data dir, so its figures (command counts, memory) are the stack's alone; yields a
+    client to it, and stops it afterwards. `running_stack` then uses it as it is."""
+    from inferq.local import redis_reachable, redis_server_command
+
+    port = int(settings.redis_url.rsplit(":", 1)[1].split("/")[0])
+    server = subprocess.Popen(
+        redis_server_command(
+            shutil.which("redis-server") or "redis-server", port, Path(settings.data_dir)
+        ),
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        while not redis_reachable(settings.redis_url):
+            if server.poll() is not None:
+                raise SystemExit(f"redis-server on port {port} exited with {server.returncode}")
+            time.sleep(0.1)
+        yield redis.Redis.from_url(settings.redis_url)
+    finally:
+        server.terminate()
+        server.wait()

@@ -25,9 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from report import machine_info, percentile, running_stack
-
-from core.settings import Settings
+from report import bench_settings, local_model, machine_info, percentile, running_stack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
@@ -168,13 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     from core.db import Database
     from core.tiers import Tier
     from inferq.local import free_port
-    from workers.localmodel import init_local_model, is_model_dir
 
     machine = machine_info()
     work_root = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    model_dir = REPO_ROOT / ".inferq" / "model"
-    if not is_model_dir(model_dir):
-        model_dir = init_local_model(work_root / "model")
+    model_dir = local_model(work_root)
     prompts = qa_workload(args.questions, args.repeat_share)
     distinct = len(set(prompts))
     print(
@@ -187,14 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     qa: dict[str, dict[str, Any]] = {}
     ttft: dict[str, list[float]] = {}
     for label, merge in (("merging on", "true"), ("merging off", "false")):
-        work_dir = work_root / label.replace(" ", "-")
-        settings = Settings(
-            data_dir=work_dir,
-            database_url=f"sqlite:///{work_dir / 'inferq.db'}",
-            redis_url=f"redis://127.0.0.1:{free_port()}/0",
-            model=str(model_dir.resolve()),
-        )
-        work_dir.mkdir(parents=True)
+        settings = bench_settings(work_root / label.replace(" ", "-"), model_dir)
         env = {"INFERQ_MERGE_REQUESTS": merge, "INFERQ_RESULT_CACHE_TTL_S": "0"}
         with running_stack(settings, free_port(), env) as (api_url, key, _):
             qa[label] = asyncio.run(qa_run(api_url, key, prompts, args.qa_max_tokens))

@@ -34,10 +34,8 @@ from typing import Any
 
 import aiohttp
 import redis
-from report import machine_info, running_stack
+from report import bench_settings, machine_info, own_redis, running_stack
 from sqlalchemy import create_engine, text
-
-from core.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BATCH_SIZE = 100
@@ -230,21 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
 
-    from inferq.local import free_port, redis_reachable, redis_server_command
-    from workers.localmodel import init_local_model, is_model_dir
+    from inferq.local import free_port
 
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-soak-"))
-    model_dir = REPO_ROOT / ".inferq" / "model"
-    if not is_model_dir(model_dir):
-        model_dir = init_local_model(work_dir / "model")
-    database_url = f"sqlite:///{work_dir / 'inferq.db'}"
-    settings = Settings(
-        data_dir=work_dir,
-        database_url=database_url,
-        redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        model=str(model_dir.resolve()),
-    )
+    settings = bench_settings(work_dir)
+    database_url = settings.sqlalchemy_url
     env = {
         "INFERQ_JOB_KEY_TTL_S": str(args.key_ttl),
         "INFERQ_RESULT_CACHE_TTL_S": str(args.key_ttl),
@@ -257,20 +246,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{CONCURRENT_BATCHES} at a time; per-job key TTL {args.key_ttl} s\n",
         flush=True,
     )
-    # The stack's own redis-server, started here so its figures can be read.
-    port = int(settings.redis_url.rsplit(":", 1)[1].split("/")[0])
-    server = subprocess.Popen(
-        redis_server_command(shutil.which("redis-server") or "redis-server", port, work_dir),
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis.from_url(settings.redis_url)
     phases: dict[str, dict[str, Any]] = {}
     marks: dict[str, float] = {}
     ok = False
     try:
-        while not redis_reachable(settings.redis_url):
-            time.sleep(0.1)
-        with running_stack(settings, free_port(), env) as (api_url, key, _):
+        # The stack's own redis-server, so its figures can be read.
+        with (
+            own_redis(settings) as client,
+            running_stack(settings, free_port(), env) as (api_url, key, _),
+        ):
             sampler = RedisSampler(client)
             time.sleep(2.0)  # let the first heartbeats and bindings settle
             keys, memory = sampler.sample()
@@ -335,8 +319,6 @@ def main(argv: list[str] | None = None) -> int:
             phases["after purge"] = {"keys": keys, "used_memory": memory}
         ok = True
     finally:
-        server.terminate()
-        server.wait()
         if ok:
             shutil.rmtree(work_dir, ignore_errors=True)
         else:

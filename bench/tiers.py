@@ -23,9 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from report import machine_info, percentile, running_stack
-
-from core.settings import Settings
+from report import bench_settings, machine_info, percentile, running_stack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
@@ -137,19 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     from core.db import Database
     from core.tiers import Tier
     from inferq.local import free_port
-    from workers.localmodel import init_local_model, is_model_dir
 
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    model_dir = REPO_ROOT / ".inferq" / "model"
-    if not is_model_dir(model_dir):
-        model_dir = init_local_model(work_dir / "model")
-    settings = Settings(
-        data_dir=work_dir,
-        database_url=f"sqlite:///{work_dir / 'inferq.db'}",
-        redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        model=str(model_dir.resolve()),
-    )
+    settings = bench_settings(work_dir)
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
         f"workload: concurrency {levels} x {args.max_tokens} tokens; then "

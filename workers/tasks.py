@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -32,7 +33,8 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 
 def register_tasks(app: Celery, runner: JobRunner, *, direct: bool = True) -> None:
     """Bind `inferq.run_job` on `app` to `runner` (see the module docstring for `direct`)."""
-    options: dict[str, Any] = {"Strategy": partial(direct_strategy, runner)} if direct else {}
+    strategy = partial(direct_strategy, runner, ReadyTasks())
+    options: dict[str, Any] = {"Strategy": strategy} if direct else {}
 
     @app.task(name=RUN_JOB_TASK, ignore_result=True, bind=True, **options)
     def run_job(self: Task, job_id: str) -> str | None:
@@ -47,7 +49,7 @@ def register_tasks(app: Celery, runner: JobRunner, *, direct: bool = True) -> No
 
 
 def direct_strategy(
-    runner: JobRunner, task: Task, app: Celery, consumer: Any, **_: Any
+    runner: JobRunner, ready: ReadyTasks, task: Task, app: Celery, consumer: Any, **_: Any
 ) -> Callable[..., None]:
     """A Celery task strategy: each message's job goes to `runner.submit` at once.
 
@@ -56,6 +58,9 @@ def direct_strategy(
     leaves the message to be redelivered. A message without a job id is rejected (dropped).
     """
     errors = consumer.connection_errors
+    hub = getattr(consumer, "hub", None)
+    if hub is not None:  # the consumer's thread takes the ended tasks off Celery's lists
+        hub.on_tick.add(ready.drain)
 
     def on_message(message: Any, _body: Any, ack: Any, reject: Any, *_: Any, **__: Any) -> None:
         try:
@@ -73,7 +78,8 @@ def direct_strategy(
         span.set_attribute("inferq.job_id", job_id)
         running = RunningTask(message, task.name, job_id, consumer.hostname)
         worker_state.task_accepted(running)
-        runner.submit(job_id, partial(_ended, span, partial(ack, log, errors), running))
+        ended = ready.put if hub is not None else ready.end
+        runner.submit(job_id, partial(_ended, span, partial(ack, log, errors), running, ended))
 
     return on_message
 
@@ -115,8 +121,44 @@ class RunningTask:
         }
 
 
+class ReadyTasks:
+    """Tasks of jobs that have ended, taken off Celery's worker state on the consumer's thread.
+
+    Celery's remote control (`celery inspect active`, Flower) walks
+    `celery.worker.state.active_requests`, a WeakSet, on the consumer's thread without copying
+    it; a task removed from another thread meanwhile makes that walk fail ("Set changed size
+    during iteration"). So a job's end is queued here by whichever thread ends it, and the
+    consumer's event loop takes the queue off once a turn (`drain`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ended: list[tuple[RunningTask, bool]] = []
+
+    def put(self, running: RunningTask, successful: bool) -> None:
+        """Queue an ended task for the next `drain`; any thread."""
+        with self._lock:
+            self._ended.append((running, successful))
+
+    def drain(self) -> None:
+        """Take every queued task off Celery's lists; on the consumer's thread."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        for running, successful in ended:
+            self.end(running, successful)
+
+    @staticmethod
+    def end(running: RunningTask, successful: bool) -> None:
+        """Take one task off Celery's lists now (where no event loop runs the consumer)."""
+        worker_state.task_ready(running, successful=successful)
+
+
 def _ended(
-    span: Any, ack: Callable[[], None], running: RunningTask | None, status: JobStatus | None
+    span: Any,
+    ack: Callable[[], None],
+    running: RunningTask | None,
+    ready: Callable[[RunningTask, bool], None],
+    status: JobStatus | None,
 ) -> None:
     try:
         span.set_attribute("inferq.status", status.value if status else "skipped")
@@ -127,4 +169,4 @@ def _ended(
         finally:
             if running is not None:
                 running.acknowledged = True
-                worker_state.task_ready(running, successful=status is JobStatus.SUCCEEDED)
+                ready(running, status is JobStatus.SUCCEEDED)

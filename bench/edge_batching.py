@@ -37,10 +37,14 @@ def _command_calls(client: redis.Redis) -> dict[str, int]:
 
 
 async def run(api_url: str, key: str, jobs: int, max_tokens: int) -> list[dict[str, Any]]:
-    """Submit `jobs` jobs in batches of 100, all at once, and wait for every one."""
+    """Submit `jobs` jobs in batches of 100 (the last one smaller), all at once, and wait for
+    every one."""
     async with aiohttp.ClientSession(base_url=api_url) as session:
         batches = [
-            [{"prompt": f"Small job {i + j}.", "max_tokens": max_tokens} for j in range(100)]
+            [
+                {"prompt": f"Small job {j}.", "max_tokens": max_tokens}
+                for j in range(i, min(i + 100, jobs))
+            ]
             for i in range(0, jobs, 100)
         ]
         created = await asyncio.gather(*(_batch(session, key, batch) for batch in batches))

@@ -1,6 +1,7 @@
 """The same jobs through the vLLM engine alone and through the whole inferq pipeline, side by side.
 
-Run: `.venv/bin/python bench/pipeline.py [--jobs 256 --max-tokens 64 --repeat 3 --out DIR]`.
+Run: `.venv/bin/python bench/pipeline.py [--jobs 256 --max-tokens 64 --repeat 3 --batch-size 64
+--out DIR]`.
 
 The engine alone (in this process), vLLM's own OpenAI server on the same engine arguments
 (`vllm serve`, every job its own `/v1/completions` request) and a running inferq stack stay up
@@ -56,6 +57,7 @@ from core.settings import Settings
 REPO_ROOT = Path(__file__).resolve().parents[1]
 THROUGHPUT_TARGET = 0.90
 BATCH_SIZE = 64
+"""Jobs per `POST /v1/jobs/batch` in the batched mode, unless `--batch-size` says otherwise."""
 
 
 def median_run(runs: list[ModeResult]) -> ModeResult:
@@ -104,8 +106,9 @@ def run_rounds(
     minute: on a shared host, the speed of the machine drifts by a fifth over the minutes that
     running one mode after the other took. While one side runs, the others' processes are
     stopped (SIGSTOP), so no mode pays for another's idle timers and heartbeats. `args` give
-    the rounds, engine metrics and inferq's client. Each server's port is picked just before it
-    starts: one picked earlier could be taken meanwhile by the engine's own sockets.
+    the rounds, engine metrics, inferq's client and its batch size. Each server's port is
+    picked just before it starts: one picked earlier could be taken meanwhile by the engine's
+    own sockets.
     """
     from inferq.local import free_port
 
@@ -139,7 +142,7 @@ def run_rounds(
                         )
                         rounds.single.append(_measured(everything, partial(asyncio.run, single)))
                         batched = drive_pipeline(
-                            api_url, key, workload, BATCH_SIZE, run + 3, prefer_wait
+                            api_url, key, workload, args.batch_size, run + 3, prefer_wait
                         )
                         rounds.batched.append(_measured(everything, partial(asyncio.run, batched)))
     return rounds, Startup(startup_s, server_startup_s, stack_startup_s)
@@ -171,6 +174,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="rounds; each runs every mode once, and the median is reported",
     )
     parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=BATCH_SIZE,
+        help="jobs per POST /v1/jobs/batch in the batched mode (at most the API's batch limit)",
+    )
+    parser.add_argument(
         "--no-prefer-wait",
         action="store_true",
         help="inferq's client submits, then long-polls each job, instead of asking the "
@@ -183,7 +192,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--database-url", default=None, help="default: a fresh SQLite file in a temp dir"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 1 <= args.batch_size <= 1000:
+        parser.error("--batch-size takes 1 to 1000 jobs (the API's limit for one batch)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine_metrics": args.engine_metrics,
             "repeat": args.repeat,
             "prefer_wait": not args.no_prefer_wait,
+            "batch_size": args.batch_size,
         },
     )
     args.out.mkdir(parents=True, exist_ok=True)

@@ -29,13 +29,11 @@ from api.openai_batch_protocol import (
 )
 from api.schemas import JobCreate
 from api.services import Services
-from api.submission import new_job, submit_jobs
-from core import keys
+from api.submission import cancel_batch_jobs, new_job, submit_jobs
 from core.apikeys import Principal
 from core.batches import BatchStore, new_batch_id
 from core.errors import ClientError, Conflict, InvalidRequest, NotFound
 from core.files import FileStore, new_stored_file
-from core.metrics import JOBS_FINISHED
 from core.models import Batch, StoredFile, as_utc, utcnow
 from core.openai_batches import KIND, OpenAIBatchStore
 from core.states import JobStatus
@@ -159,7 +157,7 @@ async def advance(services: Services, batch: Batch) -> tuple[Batch, RequestCount
             and now >= as_utc(batch.expires_at)
             and await run_in_threadpool(store.mark_expired, batch.id, now)
         ) or (unfinished and _cancel_is_overdue(batch)):
-            await cancel_jobs(services, batch.id)
+            await cancel_batch_jobs(services, batch.id)
         if not unfinished:
             await run_in_threadpool(finalize, services, batch.id, batch.owner)
         batch = await get_batch(services, batch.owner, batch.id)
@@ -186,7 +184,7 @@ async def cancel_batch(
     batch = await get_batch(services, owner, batch_id)
     store = OpenAIBatchStore(services.db)
     if await run_in_threadpool(store.mark_cancelling, batch.id, utcnow()):
-        await cancel_jobs(services, batch.id)
+        await cancel_batch_jobs(services, batch.id)
     else:
         batch = await get_batch(services, owner, batch_id)
         if batch.status not in ("cancelling", "cancelled"):
@@ -196,21 +194,6 @@ async def cancel_batch(
             )
     refreshed = await get_batch(services, owner, batch_id)
     return await advance(services, refreshed)
-
-
-async def cancel_jobs(services: Services, batch_id: str) -> None:
-    """End the batch's queued jobs as cancelled now; ask the workers to abort its running ones."""
-    cancelled = await run_in_threadpool(BatchStore(services.db).cancel_jobs, batch_id)
-    ttl = services.settings.job_key_ttl_s
-    pipe = services.redis.pipeline(transaction=False)
-    for job_id in [job_id for job_id, _ in cancelled.ended] + cancelled.running:
-        pipe.set(keys.job_cancel_flag(job_id), b"1", ex=ttl)
-    for job_id in cancelled.running:
-        pipe.publish(keys.CANCEL_CHANNEL, job_id)
-    await pipe.execute()
-    for job_id, tier in cancelled.ended:
-        JOBS_FINISHED.labels(tier, JobStatus.CANCELLED.value).inc()
-        await services.events.publish(job_id, "cancelled", status=JobStatus.CANCELLED.value)
 
 
 def finalize(services: Services, batch_id: str, owner: str) -> None:

@@ -20,15 +20,12 @@ from starlette.concurrency import run_in_threadpool
 
 from api.schemas import NO_NUL, JobCreate
 from api.services import Services
-from api.submission import submit_jobs
-from core import keys
+from api.submission import cancel_batch_jobs, submit_jobs
 from core.apikeys import Principal
 from core.batches import BatchStore, new_batch_id
 from core.errors import ClientError, ContextLengthExceeded, InvalidRequest, NotFound
 from core.files import FileStore
-from core.metrics import JOBS_FINISHED
 from core.models import Batch, Job, as_utc, utcnow
-from core.states import JobStatus
 
 DEFAULT_TEMPLATE = "{document}\n\nQuestion: {question}\nAnswer:"
 MAX_QUESTIONS = 5000
@@ -260,14 +257,4 @@ async def cancel_batch(services: Services, batch: Batch) -> None:
     store = BatchStore(services.db)
     await run_in_threadpool(store.set_status, batch.id, "cancelling")
     batch.status = "cancelling"
-    cancelled = await run_in_threadpool(store.cancel_jobs, batch.id)
-    ttl = services.settings.job_key_ttl_s
-    pipe = services.redis.pipeline(transaction=False)
-    for job_id in [job_id for job_id, _ in cancelled.ended] + cancelled.running:
-        pipe.set(keys.job_cancel_flag(job_id), b"1", ex=ttl)
-    for job_id in cancelled.running:
-        pipe.publish(keys.CANCEL_CHANNEL, job_id)
-    await pipe.execute()
-    for job_id, tier in cancelled.ended:
-        JOBS_FINISHED.labels(tier, JobStatus.CANCELLED.value).inc()
-        await services.events.publish(job_id, "cancelled", status=JobStatus.CANCELLED.value)
+    await cancel_batch_jobs(services, batch.id)

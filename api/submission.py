@@ -17,6 +17,7 @@ from api.schemas import JobCreate
 from api.services import Services
 from core import keys
 from core.apikeys import Principal
+from core.batches import BatchStore
 from core.errors import (
     ClientError,
     ContextLengthExceeded,
@@ -248,3 +249,18 @@ async def cancel_job(services: Services, owner: str, job_id: str) -> Job:
     refreshed = await run_in_threadpool(services.jobs.get, job_id, owner)
     assert refreshed is not None
     return refreshed
+
+
+async def cancel_batch_jobs(services: Services, batch_id: str) -> None:
+    """End a batch's queued jobs as cancelled now; ask the workers to abort its running ones."""
+    cancelled = await run_in_threadpool(BatchStore(services.db).cancel_jobs, batch_id)
+    ttl = services.settings.job_key_ttl_s
+    pipe = services.redis.pipeline(transaction=False)
+    for job_id in [job_id for job_id, _ in cancelled.ended] + cancelled.running:
+        pipe.set(keys.job_cancel_flag(job_id), b"1", ex=ttl)
+    for job_id in cancelled.running:
+        pipe.publish(keys.CANCEL_CHANNEL, job_id)
+    await pipe.execute()
+    for job_id, tier in cancelled.ended:
+        JOBS_FINISHED.labels(tier, JobStatus.CANCELLED.value).inc()
+        await services.events.publish(job_id, "cancelled", status=JobStatus.CANCELLED.value)

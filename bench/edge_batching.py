@@ -14,17 +14,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import sys
 import tempfile
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import redis
-from report import bench_settings, local_model, machine_info, own_redis, percentile, running_stack
+from report import (
+    bench_settings,
+    local_model,
+    machine_info,
+    own_redis,
+    percentile,
+    running_stack,
+    write_report,
+)
 from scheduling import _batch, _span_s, _wait
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -128,14 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     chart = args.out / "edge_batching.png"
     save_chart(results, chart)
-    report = {
-        "created_at": datetime.now(UTC).isoformat(),
-        "machine": machine,
-        "workload": vars(args) | {"out": str(args.out)},
-        "results": results,
-    }
-    (args.out / "edge_batching.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {chart} and {args.out / 'edge_batching.json'}")
+    workload = vars(args) | {"out": str(args.out)}
+    write_report(args.out / "edge_batching.json", chart, machine, workload, results=results)
     return 0
 
 

@@ -30,13 +30,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import redis
-from report import bench_settings, machine_info, own_redis, percentile, running_stack
+from report import bench_settings, machine_info, own_redis, percentile, running_stack, write_report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 P95_TARGET_MS = 50.0
@@ -340,24 +339,23 @@ def main(argv: list[str] | None = None) -> int:
     save_chart(
         steps, f"Open-loop POST /v1/jobs, {mode}, {machine['cpu_count']} CPUs — {verdict}", chart
     )
-    report = {
-        "created_at": datetime.now(UTC).isoformat(),
-        "machine": machine,
-        "workload": {
-            "rates": rates,
-            "step_s": args.step_s,
-            "max_tokens": args.max_tokens,
-            "worker": args.worker,
-            "connections": CONNECTIONS,
-            "tiers": HOUR_TIERS,
-        },
-        "p95_target_ms": P95_TARGET_MS,
-        "best_sustained_rate": best.target_rate if best else None,
-        "steps": [step.summary() for step in steps],
+    workload = {
+        "rates": rates,
+        "step_s": args.step_s,
+        "max_tokens": args.max_tokens,
+        "worker": args.worker,
+        "connections": CONNECTIONS,
+        "tiers": HOUR_TIERS,
     }
-    figures = args.out / f"{stem}.json"
-    figures.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {chart} and {figures}")
+    write_report(
+        args.out / f"{stem}.json",
+        chart,
+        machine,
+        workload,
+        p95_target_ms=P95_TARGET_MS,
+        best_sustained_rate=best.target_rate if best else None,
+        steps=[step.summary() for step in steps],
+    )
     return 0
 
 

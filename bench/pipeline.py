@@ -25,7 +25,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from report import (
     percentile,
     running_stack,
     save_chart,
+    write_report,
 )
 from vllm_server import vllm_server
 
@@ -246,20 +246,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"kept {work_dir} (logs under logs/, vLLM's server's in it)", file=sys.stderr)
     report = summarize(rounds, startup)
-    report.update(
-        created_at=datetime.now(UTC).isoformat(),
-        machine=machine,
-        workload={**workload.__dict__, "ignore_eos": True, "connections": CONNECTIONS},
-        settings={
-            "max_num_seqs": settings.max_num_seqs,
-            "worker_concurrency": settings.worker_concurrency,
-            "enable_prefix_caching": settings.enable_prefix_caching,
-            "engine_metrics": args.engine_metrics,
-            "repeat": args.repeat,
-            "prefer_wait": not args.no_prefer_wait,
-            "batch_size": args.batch_size,
-        },
-    )
+    run_settings = {
+        "max_num_seqs": settings.max_num_seqs,
+        "worker_concurrency": settings.worker_concurrency,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "engine_metrics": args.engine_metrics,
+        "repeat": args.repeat,
+        "prefer_wait": not args.no_prefer_wait,
+        "batch_size": args.batch_size,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = f"{workload.jobs}x{workload.max_tokens}"
     chart = args.out / f"pipeline-{stamp}.png"
@@ -269,9 +264,14 @@ def main(argv: list[str] | None = None) -> int:
         f"— inferq/engine = {ratio:.2f}"
     )
     save_chart(report.pop("results"), title, chart)
-    figures = args.out / f"pipeline-{stamp}.json"
-    figures.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {chart} and {figures}")
+    write_report(
+        args.out / f"pipeline-{stamp}.json",
+        chart,
+        machine,
+        {**workload.__dict__, "ignore_eos": True, "connections": CONNECTIONS},
+        settings=run_settings,
+        **report,
+    )
     return 0
 
 

@@ -23,13 +23,12 @@ import shutil
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import httpx
-from report import bench_settings, machine_info, percentile, running_stack
+from report import bench_settings, machine_info, percentile, running_stack, write_report
 from vllm_server import running_server
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -195,11 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     chart = args.out / "qa_vs_vllm.png"
     save_chart(results, chart)
-    report = {
-        "created_at": datetime.now(UTC).isoformat(),
-        "machine": machine,
-        "workload": vars(args) | {"out": str(args.out), "document_chars": len(document)},
-        "results": {
+    write_report(
+        args.out / "qa_vs_vllm.json",
+        chart,
+        machine,
+        vars(args) | {"out": str(args.out), "document_chars": len(document)},
+        results={
             label: {
                 "wall_s": round(r["wall_s"], 3),
                 "ttft_p50_s": round(percentile(r["ttft_s"], 50), 3),
@@ -209,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, r in results.items()
         }
         | {"ratio_inferq_over_vllm": round(ratio, 3)},
-    }
-    (args.out / "qa_vs_vllm.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {chart} and {args.out / 'qa_vs_vllm.json'}")
+    )
     return 0
 
 

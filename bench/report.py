@@ -1,9 +1,10 @@
-"""Shared by the benchmarks: per-mode results, percentiles, machine facts, table and chart, and
-the local stack each one runs on (its settings, its own Redis, its processes)."""
+"""Shared by the benchmarks: per-mode results, percentiles, machine facts, table, chart and JSON
+report, and the local stack each one runs on (its settings, its own Redis, its processes)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -178,6 +180,26 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "vllm": versions[0] if versions else "not installed",
     }
+
+
+def write_report(
+    figures: Path,
+    chart: Path,
+    machine: dict[str, Any],
+    workload: dict[str, Any],
+    /,
+    **sections: Any,
+) -> None:
+    """Save a benchmark's figures as JSON: when, the machine, the workload, then `sections` in
+    the order given; then say where they and the chart went."""
+    report = {
+        "created_at": datetime.now(UTC).isoformat(),
+        "machine": machine,
+        "workload": workload,
+        **sections,
+    }
+    figures.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {chart} and {figures}", flush=True)
 
 
 def format_table(results: list[ModeResult]) -> str:

@@ -15,17 +15,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import shutil
 import sys
 import tempfile
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from report import bench_settings, local_model, machine_info, percentile, running_stack
+from report import (
+    bench_settings,
+    local_model,
+    machine_info,
+    percentile,
+    running_stack,
+    write_report,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
@@ -208,18 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     chart = args.out / "scheduling.png"
     save_chart(qa, ttft, chart)
-    report = {
-        "created_at": datetime.now(UTC).isoformat(),
-        "machine": machine,
-        "workload": vars(args) | {"out": str(args.out), "distinct_questions": distinct},
-        "qa": qa | {"ratio_on_off": round(ratio, 3)},
-        "premium_ttft_s": {
+    write_report(
+        args.out / "scheduling.json",
+        chart,
+        machine,
+        vars(args) | {"out": str(args.out), "distinct_questions": distinct},
+        qa=qa | {"ratio_on_off": round(ratio, 3)},
+        premium_ttft_s={
             label: {"p50": round(percentile(v, 50), 3), "p95": round(percentile(v, 95), 3)}
             for label, v in ttft.items()
         },
-    }
-    (args.out / "scheduling.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {chart} and {args.out / 'scheduling.json'}")
+    )
     return 0
 
 

@@ -18,13 +18,12 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgpack
-from report import bench_settings, machine_info, running_stack
+from report import bench_settings, machine_info, running_stack, write_report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MSGPACK = "application/x-msgpack"
@@ -152,14 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     chart = args.out / "serialization.png"
     save_chart(results, chart)
-    report = {
-        "created_at": datetime.now(UTC).isoformat(),
-        "machine": machine,
-        "workload": vars(args) | {"out": str(args.out)},
-        "results": results,
-    }
-    (args.out / "serialization.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {chart} and {args.out / 'serialization.json'}")
+    workload = vars(args) | {"out": str(args.out)}
+    write_report(args.out / "serialization.json", chart, machine, workload, results=results)
     return 0
 
 

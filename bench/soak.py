@@ -28,13 +28,12 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import redis
-from report import bench_settings, machine_info, own_redis, running_stack
+from report import bench_settings, machine_info, own_redis, running_stack, write_report
 from sqlalchemy import create_engine, text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -347,18 +346,20 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     chart = args.out / "soak.png"
     save_chart(sampler.samples, marks, chart)
-    report = {
-        "created_at": datetime.now(UTC).isoformat(),
-        "machine": machine,
-        "workload": {
-            "jobs": args.jobs,
-            "max_tokens": "4-8",
-            "batch_size": BATCH_SIZE,
-            "concurrent_batches": CONCURRENT_BATCHES,
-            "job_key_ttl_s": args.key_ttl,
-        },
-        "phases": phases,
-        "jobs": {
+    workload = {
+        "jobs": args.jobs,
+        "max_tokens": "4-8",
+        "batch_size": BATCH_SIZE,
+        "concurrent_batches": CONCURRENT_BATCHES,
+        "job_key_ttl_s": args.key_ttl,
+    }
+    write_report(
+        args.out / "soak.json",
+        chart,
+        machine,
+        workload,
+        phases=phases,
+        jobs={
             "accepted": len(accepted),
             "statuses": dict(statuses),
             "lost": lost,
@@ -366,17 +367,14 @@ def main(argv: list[str] | None = None) -> int:
             "submit_s": round(submit_s, 2),
             "completion_s": round(marks["all final"] - marks["submit"], 2),
         },
-        "purge": {
+        purge={
             "output": purge.stdout.strip(),
             "seconds": round(purge_s, 3),
             "job_rows_before": rows_before,
             "job_rows_after": rows_after,
         },
-        "samples": [[round(t, 2), k, m] for t, k, m in sampler.samples],
-    }
-    figures = args.out / "soak.json"
-    figures.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {chart} and {figures}")
+        samples=[[round(t, 2), k, m] for t, k, m in sampler.samples],
+    )
     return 0 if lost == 0 and rows_after == 0 else 1
 
 

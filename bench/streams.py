@@ -19,12 +19,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from report import bench_settings, machine_info, percentile, running_stack
+from report import bench_settings, machine_info, percentile, running_stack, write_report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL_EVENTS = frozenset({"done", "error", "cancelled", "timed_out"})
@@ -220,16 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         f"throughput with/without readers = {ratio:.2f}"
     )
     save_chart(runs, title, chart)
-    figures = args.out / f"streams-{stamp}.json"
-    report = {
-        "created_at": datetime.now(UTC).isoformat(),
-        "machine": machine,
-        "workload": {"jobs": args.jobs, "max_tokens": args.max_tokens, "ignore_eos": True},
-        "modes": [run.summary() for run in runs],
-        "throughput_ratio_with_readers": round(ratio, 4),
-    }
-    figures.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {chart} and {figures}")
+    write_report(
+        args.out / f"streams-{stamp}.json",
+        chart,
+        machine,
+        {"jobs": args.jobs, "max_tokens": args.max_tokens, "ignore_eos": True},
+        modes=[run.summary() for run in runs],
+        throughput_ratio_with_readers=round(ratio, 4),
+    )
     return 0
 
 

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import sys
 import tempfile
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from report import bench_settings, machine_info, percentile, running_stack
+from report import bench_settings, machine_info, percentile, running_stack, write_report
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
@@ -166,23 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     chart = args.out / "tiers.png"
     save_chart(throughput, ttft, chart)
-    report = {
-        "created_at": datetime.now(UTC).isoformat(),
-        "machine": machine,
-        "workload": {
-            "levels": levels,
-            "jobs_per_tier": args.jobs_per_tier,
-            "max_tokens": args.max_tokens,
-            "worker_concurrency": args.worker_concurrency,
-        },
-        "tokens_per_s_by_concurrency": {str(k): round(v, 1) for k, v in throughput.items()},
-        "ttft_s_by_tier": {
+    workload = {
+        "levels": levels,
+        "jobs_per_tier": args.jobs_per_tier,
+        "max_tokens": args.max_tokens,
+        "worker_concurrency": args.worker_concurrency,
+    }
+    write_report(
+        args.out / "tiers.json",
+        chart,
+        machine,
+        workload,
+        tokens_per_s_by_concurrency={str(k): round(v, 1) for k, v in throughput.items()},
+        ttft_s_by_tier={
             tier: {"p50": round(percentile(v, 50), 3), "p95": round(percentile(v, 95), 3)}
             for tier, v in ttft.items()
         },
-    }
-    (args.out / "tiers.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {chart} and {args.out / 'tiers.json'}")
+    )
     return 0
 
 

@@ -1,4 +1,5 @@
-"""What the API needs to know of the model without loading it: context length and token counts."""
+"""What the API needs to know of the model without loading it: its served name, context
+length, chat template and token counts; and the manifest `inferq model init` writes beside it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,52 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+
+MANIFEST_FILE = "inferq-model.json"
+"""Written last by `inferq model init` into the model's directory: a directory with it is whole."""
+
+
+@dataclass(frozen=True)
+class ModelManifest:
+    """Where a model made by `inferq model init` came from, and the name clients see it by.
+
+    `kind` is `demo` (the real instruct model) or `tiny` (random weights, for fast tests);
+    `sha256` is that of the file it was made from (empty for the tiny model).
+    """
+
+    name: str
+    kind: str
+    source: str
+    sha256: str = ""
+
+    def write(self, directory: Path) -> None:
+        """Save as the directory's manifest."""
+        fields = {"name": self.name, "kind": self.kind, "source": self.source}
+        (directory / MANIFEST_FILE).write_text(json.dumps({**fields, "sha256": self.sha256}))
+
+    @classmethod
+    def read(cls, directory: Path) -> ModelManifest | None:
+        """The directory's manifest; None when there is none (or it is not one of ours)."""
+        try:
+            data = json.loads((directory / MANIFEST_FILE).read_text())
+            return cls(str(data["name"]), str(data["kind"]), str(data["source"]), data["sha256"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def served_model_name(model: str, configured: str | None = None) -> str:
+    """The name clients use for `model` (a directory or a hub id); never a path on disk.
+
+    The configured name wins; then the manifest's; then a directory's own name; a hub id is
+    its own name (as vLLM's `--served-model-name` defaults to it).
+    """
+    if configured:
+        return configured
+    path = Path(model)
+    if not path.is_dir():
+        return model
+    manifest = ModelManifest.read(path)
+    return manifest.name if manifest is not None else path.resolve().name
 
 
 @dataclass
@@ -64,8 +111,13 @@ def _chat_template(files: Path, tokenizer_config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) and template.strip() else None
 
 
-def load_model_info(model: str, max_model_len: int | None) -> ModelInfo:
-    """Read config.json, tokenizer.json and tokenizer_config.json of `model` (a dir or hub id)."""
+def load_model_info(
+    model: str, max_model_len: int | None, served_name: str | None = None
+) -> ModelInfo:
+    """Read config.json, tokenizer.json and tokenizer_config.json of `model` (a dir or hub id).
+
+    The info's `name` is the served name (see `served_model_name`).
+    """
     files = _resolve_files(model)
     config_file = files / "config.json"
     config = json.loads(config_file.read_text())
@@ -81,7 +133,7 @@ def load_model_info(model: str, max_model_len: int | None) -> ModelInfo:
         if (text := _token_text(tokenizer_config.get(name))) is not None
     }
     return ModelInfo(
-        name=model,
+        name=served_model_name(model, served_name),
         max_model_len=context,
         tokenizer=tokenizer,
         chat_template=_chat_template(files, tokenizer_config),

@@ -26,11 +26,23 @@ class Settings(BaseSettings):
         default=None, description="SQLAlchemy URL; default: SQLite file in data_dir."
     )
     model: str | None = Field(
-        default=None, description="HF model id or path; default: the local model in data_dir."
+        default=None,
+        description="Hugging Face model id or directory; default: the model `inferq model init` "
+        "made in data_dir/model.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="The name clients use for the model (/v1/models, the OpenAI `model` field, "
+        "job records), as vLLM's --served-model-name; default: the name `inferq model init` "
+        "gave it, else the directory's name or the hub id.",
     )
 
     # Passed through to vLLM's engine arguments.
-    dtype: str = Field(default="auto", description="vLLM dtype.")
+    dtype: str = Field(
+        default="auto",
+        description="vLLM dtype; auto: the checkpoint's, except float32 on a CPU without "
+        "native bf16 (AVX512-BF16 or AMX), where bf16 is emulated and several times slower.",
+    )
     max_model_len: int | None = Field(default=None, description="Context length; default: model's.")
     tensor_parallel_size: int | None = Field(
         default=None, description="vLLM tensor parallelism; default: number of --gpus."
@@ -239,8 +251,15 @@ class Settings(BaseSettings):
 
     @property
     def uses_local_model(self) -> bool:
-        """True when no model is configured and the generated local model is used."""
+        """True when no model is configured and the one in data_dir/model is used."""
         return self.model is None
+
+    @property
+    def model_name(self) -> str:
+        """The model's served name (see `core.modelinfo.served_model_name`)."""
+        from core.modelinfo import served_model_name
+
+        return served_model_name(self.model_path, self.served_model_name)
 
     def tier_policy(self, tier: Tier | str) -> TierPolicy:
         """The policy of one tier."""

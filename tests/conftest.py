@@ -10,6 +10,6 @@ import pytest
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The small local model, made once per test session."""
-    from workers.localmodel import init_local_model
+    from workers.tiny_model import init_tiny_model
 
-    return init_local_model(tmp_path_factory.mktemp("model"))
+    return init_tiny_model(tmp_path_factory.mktemp("model"))

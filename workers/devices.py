@@ -97,3 +97,21 @@ def _children(parent: int) -> list[int]:
         if ppid == parent:
             children.append(int(entry))
     return children
+
+
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+"""CPU flags of native bf16 arithmetic; without them torch emulates it, several times slower."""
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes in bf16 natively (from /proc/cpuinfo's flags)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as file:
+                cpuinfo = file.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return bool(NATIVE_BF16_FLAGS & set(line.partition(":")[2].split()))
+    return False

@@ -22,7 +22,7 @@ from typing import Any
 
 from core.settings import Settings
 from core.states import JobStatus
-from workers.devices import lower_engine_core_priority
+from workers.devices import cpu_has_native_bf16, lower_engine_core_priority
 from workers.generation import Delta, DeltaSink, GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,15 @@ def engine_args(
     memory = settings.gpu_memory_utilization
     if memory is None:
         memory = 0.2 if device == "cpu" else 0.9
+    dtype = settings.dtype
+    if dtype == "auto" and device == "cpu" and not cpu_has_native_bf16():
+        # A bf16 checkpoint (the demo model's) ran 5x slower in emulated bf16 than in float32
+        # on an AVX2 host (64 jobs x 32 tokens: 24 against 118 tokens/s).
+        dtype = "float32"
     args: dict[str, Any] = {
         "model": settings.model_path,
-        "dtype": settings.dtype,
+        "served_model_name": settings.model_name,
+        "dtype": dtype,
         "max_model_len": settings.max_model_len,
         "tensor_parallel_size": settings.tensor_parallel_size or max(1, num_gpus),
         "quantization": settings.quantization,

@@ -11,7 +11,7 @@ from core.settings import Settings
 from core.tiers import Tier
 from scheduler.queues import enqueue_job, make_celery_app
 from tests.support import BLOCKER_TOKENS, WORKER_CONCURRENCY, Stack, wait_final
-from workers.localmodel import build_tokenizer_json
+from workers.tiny_model import build_tokenizer_json
 
 
 def _submit(stack: Stack, key: str, **body: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from core.errors import ClientError, InvalidRequest, ModelNotFound
 from core.modelinfo import ModelInfo
 from core.models import Batch, Job
 from core.states import JobStatus
-from workers.localmodel import build_tokenizer_json
+from workers.tiny_model import build_tokenizer_json
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -24,7 +24,7 @@ from api.openai_serving import StreamDiverged, StreamedText
 from core.errors import AuthenticationFailed, InvalidRequest, ModelNotFound
 from core.modelinfo import ModelInfo
 from core.states import JobStatus
-from workers.localmodel import build_tokenizer_json
+from workers.tiny_model import build_tokenizer_json
 
 
 def _completion(**fields: Any) -> CompletionRequest:

@@ -7,7 +7,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from core.modelinfo import load_model_info
-from workers.localmodel import BYTE_TOKENS, build_tokenizer_json, is_model_dir
+from workers.model_init import is_model_dir
+from workers.tiny_model import BYTE_TOKENS, build_tokenizer_json
 
 
 def test_every_byte_is_one_token_plus_bos() -> None:

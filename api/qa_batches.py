@@ -1,7 +1,9 @@
 """Document Q&A batches: one document, many questions, one job per question.
 
-Every question's prompt is the template filled with the document and the question; the
-default template puts the document first, so all of a batch's prompts share it as a prefix.
+Every question's prompt is the template filled with the document and the question, as the user's
+turn of a conversation rendered with the model's chat template (after a system prompt asking for
+a short answer from the document), or with `raw` as the prompt itself. The default template puts
+the document first, so all of a batch's prompts share it as a prefix.
 Prefix routing then sends them to one worker and vLLM's prefix cache computes the document
 once there. A document that does not fit the model's context with a question and `max_tokens`
 is rejected with 400 `context_length_exceeded` naming the limit; nothing is ever truncated.
@@ -18,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from api.schemas import NO_NUL, JobCreate
+from api.schemas import NO_NUL, JobCreate, Message
 from api.services import Services
 from api.submission import cancel_batch_jobs, submit_jobs
 from core.apikeys import Principal
@@ -28,6 +30,9 @@ from core.files import FileStore
 from core.models import Batch, Job, as_utc, utcnow
 
 DEFAULT_TEMPLATE = "{document}\n\nQuestion: {question}\nAnswer:"
+DEFAULT_SYSTEM = "Answer the question using only the document. Reply in one short sentence."
+PROMPTING_FIELDS = {"document", "document_file_id", "questions", "prompt_template", "system", "raw"}
+"""What makes the prompts, as against how the answers are sampled."""
 MAX_QUESTIONS = 5000
 KIND = "qa"
 
@@ -50,6 +55,15 @@ class QaBatchCreate(BaseModel):
         default=DEFAULT_TEMPLATE,
         description="How a question's prompt is made: `{document}` and `{question}` are "
         "replaced (each exactly once); put the document first so the prompts share it.",
+    )
+    system: str | None = Field(
+        default=DEFAULT_SYSTEM,
+        description="The system prompt before each question (null: none); ignored with `raw`.",
+    )
+    raw: bool = Field(
+        default=False,
+        description="Send the filled template as a plain prompt, without the model's chat "
+        "template (for base models, or templates of your own).",
     )
     max_tokens: int | None = Field(default=None, gt=0)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
@@ -87,8 +101,12 @@ class QaBatchCreate(BaseModel):
 
     def job(self, document: str, question: str) -> JobCreate:
         """The job that answers one question."""
+        text = self.prompt(document, question)
+        messages = [Message(role="system", content=self.system)] if self.system else []
+        messages.append(Message(role="user", content=text))
         return JobCreate(
-            prompt=self.prompt(document, question),
+            prompt=text if self.raw else None,
+            messages=None if self.raw else messages,
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -165,9 +183,7 @@ async def create_batch(services: Services, principal: Principal, body: QaBatchCr
         document=document,
         questions=body.questions,
         prompt_template=body.prompt_template,
-        sampling_params=body.model_dump(
-            exclude={"document", "document_file_id", "questions", "prompt_template"}
-        ),
+        sampling_params=body.model_dump(exclude=PROMPTING_FIELDS),
     )
     jobs = [body.job(document, question) for question in body.questions]
     try:

@@ -7,7 +7,7 @@ import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.errors import InvalidRequest
 from core.models import Job, as_utc
@@ -19,12 +19,31 @@ StopText = Annotated[str, Field(min_length=1)]
 """A stop sequence: the engine refuses an empty one, so the API does first."""
 
 
-class JobCreate(BaseModel):
-    """A generation job as a client submits it; unknown fields and wrong types are rejected."""
+class Message(BaseModel):
+    """One turn of a conversation, as the model's chat template takes it."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: str = Field(min_length=1, description="The text to continue.")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class JobCreate(BaseModel):
+    """A generation job as a client submits it; unknown fields and wrong types are rejected.
+
+    The job's prompt is `prompt` as it is (a plain completion), or `messages` rendered with the
+    model's chat template, as an instruct model expects; exactly one of the two.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str | None = Field(default=None, min_length=1, description="The text to continue.")
+    messages: list[Message] | None = Field(
+        default=None,
+        min_length=1,
+        description="Instead of `prompt`: a conversation, rendered with the model's chat "
+        "template (with the assistant's turn opened for the answer).",
+    )
     max_tokens: int | None = Field(
         default=None, gt=0, description="Tokens to generate; default and cap come from the tier."
     )
@@ -43,6 +62,22 @@ class JobCreate(BaseModel):
         description="A deterministic job (temperature 0 or a seed) may be answered from, and "
         "stored in, the result cache; false: neither.",
     )
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> JobCreate:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (empty for a plain prompt)."""
+        return [message.model_dump() for message in self.messages or []]
+
+    def text_length(self) -> int:
+        """Characters of prompt or messages: what tokenizing the job will cost."""
+        if self.prompt is not None:
+            return len(self.prompt)
+        return sum(len(message.content) for message in self.messages or [])
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
         """The parameters handed to the engine, without unset ones."""
@@ -95,6 +130,7 @@ class JobOut(BaseModel):
     object: Literal["job"] = "job"
     status: str
     tier: str
+    model: str | None = Field(description="The served name of the model that runs the job.")
     created_at: datetime
     text: str | None
     finish_reason: str | None
@@ -120,6 +156,7 @@ class JobOut(BaseModel):
             id=job.id,
             status=job.status,
             tier=job.tier,
+            model=job.model,
             created_at=created,
             text=job.output_text,
             finish_reason=job.finish_reason,

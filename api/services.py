@@ -103,7 +103,9 @@ class Services:
             redis=client,
             events=AsyncEventPublisher(client, settings.job_key_ttl_s),
             celery=celery,
-            model=load_model_info(settings.model_path, settings.max_model_len),
+            model=load_model_info(
+                settings.model_path, settings.max_model_len, settings.served_model_name
+            ),
             principals=PrincipalCache(settings.auth_cache_ttl_s),
             submissions=SubmissionBatcher(jobs, dispatcher),
             dispatcher=dispatcher,

@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.admission import admit_to_queue
 from api.cache import announce_cached, cache_key_for, fill_from_cache
+from api.chat_prompt import render_chat
 from api.schemas import JobCreate
 from api.services import Services
 from core import keys
@@ -80,7 +81,7 @@ async def submit_job(
     """
     with tracer().start_as_current_span("inferq.submit", kind=SpanKind.PRODUCER) as span:
         headers = current_headers()
-        if len(body.prompt) <= INLINE_PROMPT_CHARS:  # a hop to a thread costs more
+        if body.text_length() <= INLINE_PROMPT_CHARS:  # a hop to a thread costs more
             new = new_job(services, principal, body, idempotency_key, headers)
         else:
             new = await run_in_threadpool(
@@ -203,7 +204,10 @@ def new_job(
 ) -> NewJob:
     """The job to store for a request, after checking it against its tier and the model."""
     max_tokens = check_against_tier(services, principal, body)
-    prompt_tokens = services.model.count_tokens(body.prompt)
+    prompt = body.prompt
+    if prompt is None:
+        prompt = render_chat(services.model, body.message_dicts())
+    prompt_tokens = services.model.count_tokens(prompt)
     check_context(services, prompt_tokens, max_tokens)
     policy = services.settings.tier_policy(principal.tier)
     request_hash = None
@@ -215,14 +219,15 @@ def new_job(
     return NewJob(
         owner=principal.owner,
         tier=principal.tier.value,
-        prompt=body.prompt,
+        prompt=prompt,
+        model=services.model.name,
         sampling_params=sampling,
         timeout_s=timeout_s,
         queue_timeout_s=policy.queue_limit_s(timeout_s),
         prompt_tokens=prompt_tokens,
         idempotency_key=idempotency_key,
         request_hash=request_hash,
-        cache_key=cache_key_for(services, body.prompt, sampling, body.cache),
+        cache_key=cache_key_for(services, prompt, sampling, body.cache),
         trace_headers=trace_headers or {},
     )
 

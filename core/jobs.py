@@ -34,6 +34,7 @@ class NewJob:
     sampling_params: dict[str, Any]
     timeout_s: float
     prompt_tokens: int
+    model: str | None = None
     queue_timeout_s: float | None = None
     idempotency_key: str | None = None
     request_hash: str | None = None
@@ -56,6 +57,7 @@ class NewJob:
             tier=self.tier,
             status=JobStatus.QUEUED.value,
             prompt=self.prompt,
+            model=self.model,
             sampling_params=self.sampling_params,
             idempotency_key=self.idempotency_key,
             request_hash=self.request_hash,
@@ -97,6 +99,10 @@ class JobOutcome:
 
 
 _FINAL = [s.value for s in FINAL_STATES]
+_QUEUE_TIMEOUT: dict[str, Any] = {
+    "error_code": "queue_timeout",
+    "error_message": "The job waited in the queue past its deadline.",
+}
 
 _JOBS = cast(Table, Job.__table__)
 _GET_JOB = select(_JOBS).where(_JOBS.c.id == bindparam("b_id"))
@@ -254,8 +260,7 @@ class JobStore:
             {JobStatus.QUEUED},
             status=JobStatus.TIMED_OUT.value,
             finished_at=utcnow(),
-            error_code="queue_timeout",
-            error_message="The job waited in the queue past its deadline.",
+            **_QUEUE_TIMEOUT,
         )
 
     def expire_overdue(self, now: datetime) -> list[tuple[str, str]]:
@@ -264,12 +269,7 @@ class JobStore:
             rows = session.execute(
                 update(Job)
                 .where(Job.status == JobStatus.QUEUED.value, Job.queue_deadline_at <= now)
-                .values(
-                    status=JobStatus.TIMED_OUT.value,
-                    finished_at=now,
-                    error_code="queue_timeout",
-                    error_message="The job waited in the queue past its deadline.",
-                )
+                .values(status=JobStatus.TIMED_OUT.value, finished_at=now, **_QUEUE_TIMEOUT)
                 .returning(Job.id, Job.tier)
                 .execution_options(synchronize_session=False)
             )

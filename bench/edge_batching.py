@@ -23,9 +23,12 @@ from typing import Any
 import aiohttp
 import redis
 from report import (
+    add_model_argument,
+    bench_model,
     bench_settings,
-    local_model,
     machine_info,
+    model_facts,
+    model_line,
     own_redis,
     percentile,
     running_stack,
@@ -81,6 +84,7 @@ def save_chart(results: dict[str, dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run both settings, print the table, save chart and JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_argument(parser)
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
@@ -90,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = machine_info()
     work_root = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    model_dir = local_model(work_root)
+    model_dir = bench_model(args.model)
+    model = model_facts(model_dir)
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
+        f"{model_line(model)}\n"
         f"workload: {args.jobs} jobs x {args.max_tokens} tokens, posted in batches of 100\n",
         flush=True,
     )
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     chart = args.out / "edge_batching.png"
     save_chart(results, chart)
     workload = vars(args) | {"out": str(args.out)}
-    write_report(args.out / "edge_batching.json", chart, machine, workload, results=results)
+    write_report(args.out / "edge_batching.json", chart, machine, model, workload, results=results)
     return 0
 
 

@@ -35,7 +35,18 @@ from typing import Any
 
 import aiohttp
 import redis
-from report import bench_settings, machine_info, own_redis, percentile, running_stack, write_report
+from report import (
+    add_model_argument,
+    bench_model,
+    bench_settings,
+    machine_info,
+    model_facts,
+    model_line,
+    own_redis,
+    percentile,
+    running_stack,
+    write_report,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 P95_TARGET_MS = 50.0
@@ -283,6 +294,7 @@ def save_chart(steps: list[Step], title: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the steps, print the table, save chart and JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_argument(parser)
     parser.add_argument("--rates", default="25,50,100,200,400,800")
     parser.add_argument("--step-s", type=float, default=12.0)
     parser.add_argument("--max-tokens", type=int, default=8)
@@ -298,11 +310,14 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-load-"))
-    settings = bench_settings(work_dir)
+    model_dir = bench_model(args.model)
+    model = model_facts(model_dir)
+    settings = bench_settings(work_dir, model_dir)
     env = {"INFERQ_TIERS": json.dumps(HOUR_TIERS)}
     mode = "with one CPU worker" if args.worker else "no worker"
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
+        f"{model_line(model)}\n"
         f"workload: POST /v1/jobs ({args.max_tokens} tokens) at {args.rates} jobs/s, "
         f"{args.step_s:g} s each, open loop; {mode}; /healthz every {HEALTH_PROBE_S:g} s\n",
         flush=True,
@@ -351,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out / f"{stem}.json",
         chart,
         machine,
+        model,
         workload,
         p95_target_ms=P95_TARGET_MS,
         best_sustained_rate=best.target_rate if best else None,

@@ -39,11 +39,15 @@ from drivers import (
 )
 from report import (
     ModeResult,
+    add_model_argument,
+    bench_model,
     bench_settings,
     cpu_use,
     descendants,
     format_table,
     machine_info,
+    model_facts,
+    model_line,
     paused,
     percentile,
     running_stack,
@@ -159,6 +163,7 @@ def _measured(pids: set[int], run: Callable[[], ModeResult]) -> ModeResult:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_argument(parser)
     parser.add_argument("--jobs", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
@@ -187,9 +192,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument(
-        "--model", type=Path, default=None, help="default: .inferq/model, else a fresh local model"
-    )
-    parser.add_argument(
         "--database-url", default=None, help="default: a fresh SQLite file in a temp dir"
     )
     args = parser.parse_args(argv)
@@ -210,17 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     # Like for like: the worker's engine keeps per-step statistics only if the engine alone does.
     os.environ["INFERQ_ENGINE_METRICS"] = "true" if args.engine_metrics else "false"
 
-    from workers.localmodel import is_model_dir
-
     workload = Workload(args.jobs, args.max_tokens)
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
     # One Settings for every mode; the children read the same values from their environment.
-    model_dir = args.model if args.model and is_model_dir(args.model) else None
+    model_dir = bench_model(args.model)
+    model = model_facts(model_dir)
     settings = bench_settings(work_dir, model_dir, args.database_url)
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; "
         f"Python {machine['python']}, {machine['vllm']}\n"
+        f"{model_line(model)}\n"
         f"workload: {workload.jobs} jobs x {workload.max_tokens} tokens, ignore_eos, "
         f"temperature {workload.temperature:g}; max_num_seqs {settings.max_num_seqs}, "
         f"worker concurrency {settings.worker_concurrency}; inferq's client: "
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         + "; engine metrics "
         f"{'on' if args.engine_metrics else 'off'} in both modes; {args.repeat} rounds of "
         "every mode, the median run reported, ratios paired within rounds\n"
-        f"model   : {settings.model_path}\n",
+        "\n",
         flush=True,
     )
     succeeded = False
@@ -268,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out / f"pipeline-{stamp}.json",
         chart,
         machine,
+        model,
         {**workload.__dict__, "ignore_eos": True, "connections": CONNECTIONS},
         settings=run_settings,
         **report,

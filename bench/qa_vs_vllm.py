@@ -5,12 +5,14 @@
    POST to the last answer seen by the client, and each question's time to first token
    (`timings.ttft_s`: submission to first token, on the server's clock).
 2. vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the same install and
-   model, prefix caching on, as inferq's worker runs it): the same prompts as concurrent
-   streaming `/v1/completions` requests; wall time from the first request to the last answer,
-   time to first token = request sent to first text chunk received.
+   model, on the worker's engine arguments): the same prompts as concurrent streaming
+   `/v1/completions` requests; wall time from the first request to the last answer, time to
+   first token = request sent to first text chunk received.
 
-Same sampling on both: temperature 0 (so both make the same text), at most `--max-tokens` tokens.
-Run: `.venv/bin/python bench/qa_vs_vllm.py [--questions 200 --max-tokens 32]`.
+Same prompts on both (inferq's default Q&A system prompt and template, rendered as inferq renders
+them: with the model's chat template, or its fallback for a model without one), same sampling:
+temperature 0, at most `--max-tokens` tokens.
+Run: `.venv/bin/python bench/qa_vs_vllm.py [--model tiny|real --questions 200 --max-tokens 32]`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -28,11 +29,25 @@ from typing import Any
 
 import aiohttp
 import httpx
-from report import bench_settings, machine_info, percentile, running_stack, write_report
-from vllm_server import running_server
+from report import (
+    add_model_argument,
+    bench_model,
+    bench_settings,
+    machine_info,
+    model_facts,
+    model_line,
+    percentile,
+    running_stack,
+    write_report,
+)
+from vllm_server import vllm_server
+
+from api.chat_prompt import render_chat
+from api.qa_batches import DEFAULT_SYSTEM, DEFAULT_TEMPLATE
+from core.modelinfo import ModelInfo, load_model_info
+from core.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TEMPLATE = "{document}\n\nQuestion: {question}\nAnswer:"
 
 
 def workload(questions: int) -> tuple[str, list[str]]:
@@ -72,6 +87,13 @@ def run_inferq(
     return {"wall_s": wall_s, "ttft_s": ttfts, "succeeded": succeeded, "with_cached_prefix": cached}
 
 
+def prompt_of(model: ModelInfo, document: str, question: str) -> str:
+    """The prompt inferq's Q&A batch makes of one question, by default."""
+    text = DEFAULT_TEMPLATE.replace("{document}", document).replace("{question}", question)
+    system, user = {"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": text}
+    return render_chat(model, [system, user])
+
+
 async def _stream_one(
     session: aiohttp.ClientSession, model: str, prompt: str, tokens: int
 ) -> tuple[float, float]:
@@ -109,14 +131,12 @@ async def _drive_vllm(url: str, model: str, prompts: list[str], tokens: int) -> 
 
 
 def run_vllm_server(
-    model: str, prompts: list[str], tokens: int, port: int, log: Path
+    settings: Settings, prompts: list[str], tokens: int, port: int, log: Path
 ) -> dict[str, Any]:
-    """Start vLLM's OpenAI server on the model, send every prompt at once, stop it."""
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    command += ["--port", str(port), "--gpu-memory-utilization", "0.2", "--enable-prefix-caching"]
-    with running_server(command, env, port, log) as (url, _pid):
-        return asyncio.run(_drive_vllm(url, model, prompts, tokens))
+    """Start vLLM's OpenAI server as inferq's worker runs the engine, send every prompt at once,
+    stop it."""
+    with vllm_server(settings, port, log) as (url, _pid):
+        return asyncio.run(_drive_vllm(url, settings.model_name, prompts, tokens))
 
 
 def save_chart(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -150,6 +170,7 @@ def save_chart(results: dict[str, dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run both, print the table, save chart and JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_argument(parser)
     parser.add_argument("--questions", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
@@ -162,12 +183,15 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    settings = bench_settings(work_dir)
-    model = settings.model_path
+    model_dir = bench_model(args.model)
+    model = model_facts(model_dir)
+    settings = bench_settings(work_dir, model_dir)
     document, asked = workload(args.questions)
-    prompts = [TEMPLATE.replace("{document}", document).replace("{question}", q) for q in asked]
+    info = load_model_info(settings.model_path, None)
+    prompts = [prompt_of(info, document, question) for question in asked]
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
+        f"{model_line(model)}\n"
         f"workload: one document ({len(document)} chars) x {args.questions} questions, "
         f"{args.max_tokens} tokens each, temperature 0\n",
         flush=True,
@@ -178,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         results["inferq"] = run_inferq(url, key, document, asked, args.max_tokens)
     print(f"inferq: {results['inferq']['wall_s']:.2f} s", flush=True)
     results["vLLM server"] = run_vllm_server(
-        model, prompts, args.max_tokens, free_port(), work_dir / "vllm-server.log"
+        settings, prompts, args.max_tokens, free_port(), work_dir / "vllm-server.log"
     )
     print(f"vLLM server: {results['vLLM server']['wall_s']:.2f} s", flush=True)
     shutil.rmtree(work_dir, ignore_errors=True)
@@ -198,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out / "qa_vs_vllm.json",
         chart,
         machine,
+        model,
         vars(args) | {"out": str(args.out), "document_chars": len(document)},
         results={
             label: {

@@ -3,6 +3,7 @@ report, and the local stack each one runs on (its settings, its own Redis, its p
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -186,15 +187,17 @@ def write_report(
     figures: Path,
     chart: Path,
     machine: dict[str, Any],
+    model: dict[str, Any],
     workload: dict[str, Any],
     /,
     **sections: Any,
 ) -> None:
-    """Save a benchmark's figures as JSON: when, the machine, the workload, then `sections` in
-    the order given; then say where they and the chart went."""
+    """Save a benchmark's figures as JSON: when, the machine, the model (`model_facts`), the
+    workload, then `sections` in the order given; then say where they and the chart went."""
     report = {
         "created_at": datetime.now(UTC).isoformat(),
         "machine": machine,
+        "model": model,
         "workload": workload,
         **sections,
     }
@@ -306,27 +309,60 @@ def running_stack(
         stack.stop()
 
 
-def local_model(work_dir: Path) -> Path:
-    """The repository's local model (`inferq model init`), or one made in `work_dir`."""
-    from workers.localmodel import init_local_model, is_model_dir
+MODEL_HELP = (
+    "tiny: the random-weight model (fast; shows the queue's own cost); real: the demo model, "
+    "SmolLM2-135M-Instruct (about 20 times slower; made once in .inferq/bench-models); or a "
+    "model directory"
+)
 
-    model_dir = REPO_ROOT / ".inferq" / "model"
-    return model_dir if is_model_dir(model_dir) else init_local_model(work_dir / "model")
+
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """The `--model tiny|real|DIR` option every benchmark takes."""
+    parser.add_argument("--model", default="tiny", help=f"{MODEL_HELP} (default: tiny)")
 
 
-def bench_settings(
-    work_dir: Path, model_dir: Path | None = None, database_url: str | None = None
-) -> Settings:
+def bench_model(choice: str) -> Path:
+    """The model directory for `--model`: the tiny or the demo model, made once, or a path."""
+    from workers.model_init import ModelInitError, init_model, is_model_dir
+
+    if choice in ("tiny", "real"):
+        directory = REPO_ROOT / ".inferq" / "bench-models" / choice
+        try:
+            init_model(directory, tiny=choice == "tiny", progress=lambda line: print(line))
+        except ModelInitError as exc:
+            raise SystemExit(str(exc)) from exc
+        return directory
+    if not is_model_dir(Path(choice)):
+        raise SystemExit(f"--model {choice}: not tiny, real, or a model directory")
+    return Path(choice)
+
+
+def model_facts(model_dir: Path) -> dict[str, Any]:
+    """Which model a benchmark ran on, for its output and its JSON."""
+    from core.modelinfo import ModelManifest, served_model_name
+
+    manifest = ModelManifest.read(model_dir)
+    return {
+        "name": served_model_name(str(model_dir)),
+        "kind": manifest.kind if manifest else "other",
+    }
+
+
+def model_line(model: dict[str, Any]) -> str:
+    """The model as a benchmark's header names it."""
+    return f"model   : {model['name']} ({model['kind']})"
+
+
+def bench_settings(work_dir: Path, model_dir: Path, database_url: str | None = None) -> Settings:
     """Settings for a benchmark's own stack in `work_dir` (made if missing).
 
-    SQLite in `work_dir` unless `database_url` is given; `model_dir`, else `local_model`; a Redis
-    URL on a free port that nobody serves, so `running_stack` starts a redis-server of its own
-    there (or `own_redis` does, to read its figures).
+    SQLite in `work_dir` unless `database_url` is given; a Redis URL on a free port that nobody
+    serves, so `running_stack` starts a redis-server of its own there (or `own_redis` does, to
+    read its figures).
     """
     from inferq.local import free_port
 
     work_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = model_dir or local_model(work_dir)
     return Settings(
         data_dir=work_dir,
         database_url=database_url or f"sqlite:///{work_dir / 'inferq.db'}",

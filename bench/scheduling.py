@@ -25,9 +25,12 @@ from typing import Any
 
 import aiohttp
 from report import (
+    add_model_argument,
+    bench_model,
     bench_settings,
-    local_model,
     machine_info,
+    model_facts,
+    model_line,
     percentile,
     running_stack,
     write_report,
@@ -159,6 +162,7 @@ def save_chart(qa: dict[str, dict[str, Any]], ttft: dict[str, list[float]], path
 def main(argv: list[str] | None = None) -> int:
     """Run (a) on two stacks and (b) on the first; print tables, save chart and JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_argument(parser)
     parser.add_argument("--questions", type=int, default=100)
     parser.add_argument("--repeat-share", type=float, default=0.3)
     parser.add_argument("--qa-max-tokens", type=int, default=64)
@@ -175,11 +179,13 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = machine_info()
     work_root = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    model_dir = local_model(work_root)
+    model_dir = bench_model(args.model)
+    model = model_facts(model_dir)
     prompts = qa_workload(args.questions, args.repeat_share)
     distinct = len(set(prompts))
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
+        f"{model_line(model)}\n"
         f"workload: (a) {len(prompts)} questions on one document ({distinct} distinct) x "
         f"{args.qa_max_tokens} tokens, temperature 0; (b) {args.premium} premium jobs, "
         f"basic flood of {args.basic} x {args.basic_max_tokens} tokens\n",
@@ -218,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out / "scheduling.json",
         chart,
         machine,
+        model,
         vars(args) | {"out": str(args.out), "distinct_questions": distinct},
         qa=qa | {"ratio_on_off": round(ratio, 3)},
         premium_ttft_s={

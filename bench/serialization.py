@@ -23,7 +23,16 @@ from typing import Any
 
 import httpx
 import msgpack
-from report import bench_settings, machine_info, running_stack, write_report
+from report import (
+    add_model_argument,
+    bench_model,
+    bench_settings,
+    machine_info,
+    model_facts,
+    model_line,
+    running_stack,
+    write_report,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MSGPACK = "application/x-msgpack"
@@ -115,6 +124,7 @@ def save_chart(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run on a fresh local stack; print the table, save chart and JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_argument(parser)
     parser.add_argument("--questions", type=int, default=1000)
     parser.add_argument("--reads", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -128,9 +138,12 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    settings = bench_settings(work_dir)
+    model_dir = bench_model(args.model)
+    model = model_facts(model_dir)
+    settings = bench_settings(work_dir, model_dir)
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
+        f"{model_line(model)}\n"
         f"workload: one document x {args.questions} questions, {args.max_tokens} tokens each; "
         f"{args.reads} reads per format\n",
         flush=True,
@@ -152,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     chart = args.out / "serialization.png"
     save_chart(results, chart)
     workload = vars(args) | {"out": str(args.out)}
-    write_report(args.out / "serialization.json", chart, machine, workload, results=results)
+    write_report(args.out / "serialization.json", chart, machine, model, workload, results=results)
     return 0
 
 

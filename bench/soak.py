@@ -33,7 +33,17 @@ from typing import Any
 
 import aiohttp
 import redis
-from report import bench_settings, machine_info, own_redis, running_stack, write_report
+from report import (
+    add_model_argument,
+    bench_model,
+    bench_settings,
+    machine_info,
+    model_facts,
+    model_line,
+    own_redis,
+    running_stack,
+    write_report,
+)
 from sqlalchemy import create_engine, text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -221,6 +231,7 @@ def save_chart(samples: list[tuple[float, int, int]], marks: dict[str, float], p
 def main(argv: list[str] | None = None) -> int:
     """Run the soak, print the table, save chart and JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_argument(parser)
     parser.add_argument("--jobs", type=int, default=5000)
     parser.add_argument("--key-ttl", type=int, default=30, help="INFERQ_JOB_KEY_TTL_S, seconds")
     parser.add_argument("--seed", type=int, default=11)
@@ -231,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-soak-"))
-    settings = bench_settings(work_dir)
+    model_dir = bench_model(args.model)
+    model = model_facts(model_dir)
+    settings = bench_settings(work_dir, model_dir)
     database_url = settings.sqlalchemy_url
     env = {
         "INFERQ_JOB_KEY_TTL_S": str(args.key_ttl),
@@ -241,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
+        f"{model_line(model)}\n"
         f"workload: {args.jobs} jobs x 4-8 tokens, batches of {BATCH_SIZE}, "
         f"{CONCURRENT_BATCHES} at a time; per-job key TTL {args.key_ttl} s\n",
         flush=True,
@@ -357,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out / "soak.json",
         chart,
         machine,
+        model,
         workload,
         phases=phases,
         jobs={

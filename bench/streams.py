@@ -24,7 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from report import bench_settings, machine_info, percentile, running_stack, write_report
+from report import (
+    add_model_argument,
+    bench_model,
+    bench_settings,
+    machine_info,
+    model_facts,
+    model_line,
+    percentile,
+    running_stack,
+    write_report,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL_EVENTS = frozenset({"done", "error", "cancelled", "timed_out"})
@@ -176,6 +186,7 @@ def save_chart(runs: list[StreamRun], title: str, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run both modes on one stack, print the table, save the chart and the JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_argument(parser)
     parser.add_argument("--jobs", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
@@ -185,9 +196,12 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    settings = bench_settings(work_dir)
+    model_dir = bench_model(args.model)
+    model = model_facts(model_dir)
+    settings = bench_settings(work_dir, model_dir)
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
+        f"{model_line(model)}\n"
         f"workload: {args.jobs} jobs x {args.max_tokens} tokens, ignore_eos, one batch POST\n",
         flush=True,
     )
@@ -224,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out / f"streams-{stamp}.json",
         chart,
         machine,
+        model,
         {"jobs": args.jobs, "max_tokens": args.max_tokens, "ignore_eos": True},
         modes=[run.summary() for run in runs],
         throughput_ratio_with_readers=round(ratio, 4),

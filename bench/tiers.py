@@ -22,7 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from report import bench_settings, machine_info, percentile, running_stack, write_report
+from report import (
+    add_model_argument,
+    bench_model,
+    bench_settings,
+    machine_info,
+    model_facts,
+    model_line,
+    percentile,
+    running_stack,
+    write_report,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINAL = frozenset({"succeeded", "failed", "cancelled", "timed_out"})
@@ -122,6 +132,7 @@ def save_chart(throughput: dict[int, float], ttft: dict[str, list[float]], path:
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep and the mixed load on one stack; print tables, save chart and JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
+    add_model_argument(parser)
     parser.add_argument("--levels", default="1,4,16,64")
     parser.add_argument("--jobs-per-tier", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -137,9 +148,12 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = machine_info()
     work_dir = Path(tempfile.mkdtemp(prefix="inferq-bench-"))
-    settings = bench_settings(work_dir)
+    model_dir = bench_model(args.model)
+    model = model_facts(model_dir)
+    settings = bench_settings(work_dir, model_dir)
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
+        f"{model_line(model)}\n"
         f"workload: concurrency {levels} x {args.max_tokens} tokens; then "
         f"{args.jobs_per_tier} jobs per tier at once, worker concurrency "
         f"{args.worker_concurrency}\n",
@@ -175,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out / "tiers.json",
         chart,
         machine,
+        model,
         workload,
         tokens_per_s_by_concurrency={str(k): round(v, 1) for k, v in throughput.items()},
         ttft_s_by_tier={

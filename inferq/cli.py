@@ -331,7 +331,10 @@ def up(port: int, flower_port: int) -> None:
         stack.inferq("scheduler", "scheduler")
         stack.inferq("api", "api", "--port", str(port))
         stack.inferq("flower", "flower", "--port", str(flower_port))
-        click.echo(f"starting {settings.model_name} (the engine takes up to a minute to load) …")
+        click.echo(
+            f"starting {settings.model_name} (the engine takes a minute or more to load; on a "
+            "CPU the first start compiles the model, a few minutes) …"
+        )
         api_url = f"http://127.0.0.1:{port}"
         if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):
             raise SystemExit("the API did not become ready")

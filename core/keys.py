@@ -13,6 +13,17 @@ def queue_name(tier: Tier | str) -> str:
     return f"{PREFIX}.{Tier(tier).value}"
 
 
+def tier_of_queue(name: str) -> Tier | None:
+    """The tier of a shared or a worker's own queue (`inferq.basic`, `inferq.basic.cpu@host`)."""
+    prefix = f"{PREFIX}."
+    if not name.startswith(prefix):
+        return None
+    try:
+        return Tier(name[len(prefix) :].split(".", 1)[0])
+    except ValueError:
+        return None
+
+
 def worker_queue_name(tier: Tier | str, worker_name: str) -> str:
     """A worker's own queue of one tier, for jobs routed to it by prompt prefix.
 
@@ -99,6 +110,26 @@ def dispatching(tier: Tier | str) -> str:
 def finished_bucket(bucket: int) -> str:
     """Jobs that ended in one 10-second bucket (Unix time // 10), counted by the workers."""
     return f"{PREFIX}:finished:{bucket}"
+
+
+def started_tier_bucket(tier: Tier | str, bucket: int) -> str:
+    """Jobs of one tier that started in one 10-second bucket, counted by the workers."""
+    return f"{PREFIX}:started:{Tier(tier).value}:{bucket}"
+
+
+def finished_tier_bucket(tier: Tier | str, bucket: int) -> str:
+    """Runs of one tier's jobs that ended in one 10-second bucket, counted by the workers."""
+    return f"{PREFIX}:finished:{Tier(tier).value}:{bucket}"
+
+
+def run_ms_bucket(tier: Tier | str, bucket: int) -> str:
+    """Milliseconds the runs counted by `finished_tier_bucket` took together."""
+    return f"{PREFIX}:run-ms:{Tier(tier).value}:{bucket}"
+
+
+RATE_BUCKET_S = 10
+"""The width of the workers' rate buckets (`finished_bucket` and the per-tier ones)."""
+RATE_BUCKET_TTL_S = 120
 
 
 def result_cache(digest: str) -> str:

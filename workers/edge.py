@@ -35,6 +35,11 @@ one ZREM and one HDEL remove every message acked in that turn. A worker killed i
 leaves those messages unacknowledged in Redis, as one killed before acking would: the
 visibility restore returns them, and the worker that takes them skips their final jobs.
 
+With a `tier_reserve` (a transport option, `workers.reserve.TierReserve`), the channel takes
+from a tier's queues only while the tier has room in the worker: BRPOP waits on those queues
+alone, and the bulk take stops at each tier's room. The reserve counts every message the
+transport delivers, by the queue it came from, until it is acknowledged.
+
 Only the worker uses this transport; everything else publishes through the stock one, and the
 messages are the same.
 """
@@ -54,22 +59,32 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
+from core import keys
 from core.metrics import JOBS_TAKEN_IN_BULK
+from core.tiers import TIERS_BY_PRIORITY
+from workers.reserve import TierReserve
 
 log = logging.getLogger(__name__)
 
 _BROKER_GONE = (AttributeError, redis.RedisError)
 """What kombu's Redis channel raises once its connection is lost or closed under it."""
 
-# KEYS: the lists in polling order, then the unacked hash and its index. ARGV: how many, now.
-# Pops up to ARGV[1] messages, first list first, and records each as unacknowledged the way the
-# transport's QoS does: hash[tag] = [message, exchange, routing key], index[tag] = now.
+# KEYS: the lists in polling order, then the unacked hash and its index. ARGV: how many, now,
+# the number of tier groups G, each group's room, then each list's group (0: no limit).
+# Pops up to ARGV[1] messages, first list first, at most a group's room from its lists (a take
+# from group g uses up room in g and every later group: a lower tier's room counts the jobs of
+# the tiers above it), and records each as unacknowledged the way the transport's QoS does:
+# hash[tag] = [message, exchange, routing key], index[tag] = now.
 _TAKE = """
 local unacked, index = KEYS[#KEYS - 1], KEYS[#KEYS]
 local want = tonumber(ARGV[1])
+local groups = tonumber(ARGV[3])
+local room = {}
+for g = 1, groups do room[g] = tonumber(ARGV[3 + g]) end
 local taken = {}
 for i = 1, #KEYS - 2 do
-  while want > 0 do
+  local g = tonumber(ARGV[3 + groups + i])
+  while want > 0 and (g == 0 or room[g] > 0) do
     local item = redis.call('RPOP', KEYS[i])
     if not item then break end
     local ok, message = pcall(cjson.decode, item)
@@ -84,6 +99,9 @@ for i = 1, #KEYS - 2 do
     table.insert(taken, KEYS[i])
     table.insert(taken, item)
     want = want - 1
+    if g > 0 then
+      for later = g, groups do room[later] = room[later] - 1 end
+    end
   end
 end
 return taken
@@ -118,7 +136,12 @@ class EdgeBatchingQoS(redis_transport.QoS):
 
     def can_consume(self) -> bool:
         limit: int = self.prefetch_count
-        return not limit or self._held() < limit
+        if not limit:  # not the tasks' channel (remote control's, say): never held back
+            return True
+        reserve: TierReserve | None = self.channel.tier_reserve
+        if reserve is not None:  # a tier with room; the top one counts only its own jobs
+            return any(room > 0 for room in reserve.left().values())
+        return self._held() < limit
 
     def can_consume_max_estimate(self) -> int | None:
         limit: int = self.prefetch_count
@@ -132,6 +155,8 @@ class EdgeBatchingQoS(redis_transport.QoS):
         return own if jobs_held is None else max(own, jobs_held())
 
     def restore_unacked(self, client: Any = None) -> Any:
+        # The tier reserve keeps counting these: their jobs still run in the engine, and end
+        # (acked through this closed channel) when they are done.
         try:
             return super().restore_unacked(client)
         except _BROKER_GONE as exc:
@@ -140,6 +165,8 @@ class EdgeBatchingQoS(redis_transport.QoS):
             return None
 
     def ack(self, delivery_tag: str) -> None:
+        if self.channel.tier_reserve is not None:
+            self.channel.tier_reserve.ended(delivery_tag)
         # A closed channel has no connection: the stock path below handles its acks.
         if getattr(self.channel.connection, "acks_deferred", False):
             virtual.QoS.ack(self, delivery_tag)  # the slot is free now; Redis hears at turn's end
@@ -171,6 +198,8 @@ class EdgeBatchingQoS(redis_transport.QoS):
             )
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if self.channel.tier_reserve is not None:
+            self.channel.tier_reserve.ended(delivery_tag)
         try:
             super().reject(delivery_tag, requeue=requeue)
         except _BROKER_GONE as exc:
@@ -178,6 +207,25 @@ class EdgeBatchingQoS(redis_transport.QoS):
                 "could not reject message %s, left to the visibility restore: %r", delivery_tag, exc
             )
             virtual.QoS.ack(self, delivery_tag)
+
+
+class _TierGatedCycle:
+    """The channel's queue cycle, less the queues of tiers that have no room in the worker."""
+
+    def __init__(self, cycle: Any, reserve: TierReserve) -> None:
+        self._cycle = cycle
+        self._reserve = reserve
+
+    def update(self, queues: Any) -> None:
+        self._cycle.update(queues)
+
+    def rotate(self, last_used: Any) -> Any:
+        return self._cycle.rotate(last_used)
+
+    def consume(self, n: int) -> list[str]:
+        rooms = self._reserve.left()
+        queues: list[str] = self._cycle.consume(n)
+        return [q for q in queues if rooms.get(keys.tier_of_queue(q), 1) > 0]  # type: ignore[arg-type]
 
 
 class JobsHeld:
@@ -204,16 +252,23 @@ class EdgeBatchingChannel(redis_transport.Channel):
     QoS = EdgeBatchingQoS
     edge_batch = 32
     jobs_held: Callable[[], int] | None = None
-    # Two options more than the stock channel reads from `broker_transport_options`.
+    tier_reserve: TierReserve | None = None
+    # A BRPOP waits on the queues of the tiers with room when it is sent: renewed this often
+    # (kombu: every second), a tier given room since waits little for its next job.
+    brpop_timeout = 0.25
+    # Options more than the stock channel reads from `broker_transport_options`.
     from_transport_options = (  # type: ignore[assignment]
         *redis_transport.Channel.from_transport_options,
         "edge_batch",
         "jobs_held",
+        "tier_reserve",
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.recorded_tags: set[str] = set()
         super().__init__(*args, **kwargs)
+        if self.tier_reserve is not None:
+            self._queue_cycle = _TierGatedCycle(self._queue_cycle, self.tier_reserve)
         self._take: Any = None
         self._short_client: Any = None
 
@@ -240,20 +295,29 @@ class EdgeBatchingChannel(redis_transport.Channel):
         return delivered
 
     def _take_more(self) -> None:
-        free = self.qos.can_consume_max_estimate()
+        if self.tier_reserve is not None:
+            rooms = self.tier_reserve.left()
+            free: int | None = sum(rooms.values())
+        else:
+            rooms, free = {}, self.qos.can_consume_max_estimate()
         want = min(self.edge_batch - 1, self.edge_batch if free is None else free)
         if want <= 0 or self.global_keyprefix:
             return
         queues = self._queue_cycle.consume(len(self.active_queues))
-        lists = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
-        if not lists:
+        pairs = [(self._q_for_pri(q, pri), q) for pri in self.priority_steps for q in queues]
+        if not pairs:
             return
+        # One group per tier, best first (see _TAKE); a list of no known tier has no limit.
+        tiers = [tier for tier in TIERS_BY_PRIORITY if tier in rooms]
+        group_of = {tier: index + 1 for index, tier in enumerate(tiers)}
+        queue_tiers = [keys.tier_of_queue(queue) for _, queue in pairs]
+        groups = [group_of.get(tier, 0) if tier else 0 for tier in queue_tiers]
         with self.conn_or_acquire() as client:
             if self._take is None:
                 self._take = client.register_script(_TAKE)
             taken = self._take(
-                keys=[*lists, self.unacked_key, self.unacked_index_key],
-                args=[want, time.time()],
+                keys=[*(name for name, _ in pairs), self.unacked_key, self.unacked_index_key],
+                args=[want, time.time(), len(tiers), *(rooms[t] for t in tiers), *groups],
                 client=client,
             )
         JOBS_TAKEN_IN_BULK.inc(len(taken) // 2)
@@ -272,6 +336,18 @@ class EdgeBatchingTransport(redis_transport.Transport):
     Channel = EdgeBatchingChannel
     acks_deferred = False
     """Whether acks wait for the end of the event loop's turn (once registered with a loop)."""
+
+    def _deliver(self, message: Any, queue: str) -> None:
+        # Counted against the tier of the queue it came from (an aged job moved to the premium
+        # queue counts as premium), from now until it is acknowledged.
+        options = self.client.transport_options if self.client is not None else {}
+        reserve: TierReserve | None = options.get("tier_reserve")
+        tier = keys.tier_of_queue(queue) if reserve is not None else None
+        if reserve is not None and tier is not None and isinstance(message, dict):
+            tag = message.get("properties", {}).get("delivery_tag")
+            if tag:
+                reserve.taken(tag, tier)
+        super()._deliver(message, queue)
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)

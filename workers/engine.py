@@ -104,6 +104,13 @@ class VllmEngine:
             log.info("engine core %s runs at nice %d", changed, self._engine_core_nice)
         log.info("engine ready: %s", self._args["model"])
 
+    def kv_cache_tokens(self) -> int | None:
+        """Tokens the engine's KV cache holds (known once it started); None if it did not say."""
+        cache = getattr(getattr(self._llm, "vllm_config", None), "cache_config", None)
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        size = getattr(cache, "block_size", None)
+        return int(blocks * size) if blocks and size else None
+
     async def _create(self) -> None:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

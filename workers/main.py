@@ -24,6 +24,7 @@ from workers.devices import DeviceSpec, pin_devices
 from workers.edge import JobsHeld
 from workers.merging import MergingEngine
 from workers.metrics import DeviceMemory
+from workers.reserve import TierReserve
 from workers.runner import JobRunner
 from workers.streams import DeltaPublisher
 from workers.tasks import register_tasks
@@ -120,6 +121,11 @@ def run_worker(
         redis_client=client,
         worker_name=node_name,
         deltas=deltas,
+        reserve=TierReserve(
+            settings.tiers,
+            slots=concurrency or settings.worker_concurrency,
+            kv_tokens=vllm.kv_cache_tokens(),
+        ),
     )
     heartbeat = _Heartbeat(
         runner, DeviceMemory(node_name, spec.gpus), interval_s=min(1.0, settings.lease_ttl_s / 3)
@@ -153,6 +159,8 @@ def run_worker(
         **app.conf.broker_transport_options,
         "edge_batch": settings.edge_batch,
         "jobs_held": JobsHeld(runner.held),
+        # Each tier takes from its queues only while it has room here (see workers.reserve).
+        "tier_reserve": runner.reserve,
     }
     # Each message's job goes straight to the runner, unless task events need Celery's own
     # per-task requests (see workers.tasks).

@@ -27,11 +27,13 @@ from core.jobs import JobStore
 from core.metrics import IN_FLIGHT
 from core.settings import Settings
 from core.states import JobStatus
+from core.tiers import Tier
 from workers.generation import GenerationResult
 from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
 from workers.metrics import WorkerStats
 from workers.outcomes import OutcomeRecorder
+from workers.reserve import TierReserve
 from workers.starting import UNAVAILABLE, JobStarting, Started, StartOutcome
 from workers.streams import DeltaPublisher
 
@@ -56,6 +58,7 @@ class JobRunner(JobStarting):
         redis_client: redis.Redis,
         worker_name: str,
         deltas: DeltaPublisher | None = None,
+        reserve: TierReserve | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -66,6 +69,9 @@ class JobRunner(JobStarting):
         self.stats = WorkerStats()
         self.leases = Leases(redis_client, settings.lease_ttl_s)
         self.deltas = deltas
+        self.reserve = reserve
+        # engine request id → the tier and KV tokens the reserve counts for it
+        self._kv_held: dict[str, tuple[Tier, int]] = {}
         self.outcomes = OutcomeRecorder(
             store,
             self.publisher,
@@ -184,6 +190,9 @@ class JobRunner(JobStarting):
         # A later attempt of the same job may have started here meanwhile: leave it be.
         if self._running.get(job.id) == started.request_id:
             del self._running[job.id]
+        counted = self._kv_held.pop(started.request_id, None)
+        if counted is not None and self.reserve is not None:
+            self.reserve.job_ended(*counted)
         with self.stats.lock:
             self.stats.in_flight -= 1
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,12 +26,13 @@ from core.metrics import JOBS_MERGED
 from core.models import Job, as_utc
 from core.settings import Settings
 from core.states import JobStatus
-from core.tiers import engine_priority
+from core.tiers import Tier, engine_priority
 from workers.generation import GenerationRequest, GenerationResult
 from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
 from workers.metrics import WorkerStats, observe_ended_unrun, observe_start
 from workers.outcomes import OutcomeRecorder
+from workers.reserve import TierReserve
 from workers.streams import DeltaPublisher
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,8 @@ class JobStarting:
     outcomes: OutcomeRecorder
     leases: Leases
     _running: dict[str, str]
+    reserve: TierReserve | None
+    _kv_held: dict[str, tuple[Tier, int]]
     _stale_leases: StaleLeases
     _to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]]
 
@@ -138,6 +142,7 @@ class JobStarting:
                 self._release_lease(job_id, tokens[job_id])
         # Announced before they are submitted, so a job's running event precedes its deltas.
         self._announce_starts(list(started.values()))
+        self._count_starts(list(started.values()))
         submitted = []
         for job in started.values():
             try:
@@ -198,6 +203,10 @@ class JobStarting:
             self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.stats.in_flight)
         if merged:
             JOBS_MERGED.labels(job.tier).inc()
+        elif self.reserve is not None:  # a merged job holds no KV cache of its own
+            tokens = (job.prompt_tokens or 0) + int(request.sampling.get("max_tokens") or 0)
+            self._kv_held[request.request_id] = (Tier(job.tier), tokens)
+            self.reserve.job_started(Tier(job.tier), tokens)
         log.info(
             "job %s started: attempt %d, tier %s%s",
             job.id,
@@ -223,6 +232,22 @@ class JobStarting:
             self.publisher.publish_many(events)
         except redis.RedisError:  # best effort: the runs go on
             log.warning("could not announce %d job starts", len(jobs), exc_info=True)
+
+    def _count_starts(self, jobs: list[Job]) -> None:
+        """Count the started jobs per tier: the rate each tier's queue drains at, which
+        admission control goes by. Best effort: a lost count only makes admission guess."""
+        if not jobs:
+            return
+        bucket = int(time.time()) // keys.RATE_BUCKET_S
+        per_tier = Counter(job.tier for job in jobs)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for tier, count in per_tier.items():
+                pipe.incrby(keys.started_tier_bucket(tier, bucket), count)
+                pipe.expire(keys.started_tier_bucket(tier, bucket), keys.RATE_BUCKET_TTL_S)
+            pipe.execute()
+        except redis.RedisError:
+            log.warning("could not count %d job starts", len(jobs), exc_info=True)
 
     def _catch_early_flags(self, job_ids: list[str]) -> None:
         """Abort jobs whose cancel, and watch jobs whose reader, came before they ran here.

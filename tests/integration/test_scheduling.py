@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from datetime import datetime, timedelta
@@ -9,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from core.tiers import Tier
+from core.tiers import DEFAULT_TIER_POLICIES, Tier
 from tests.integration.test_cancel_and_deadlines import full_worker
 from tests.support import WORKER_CONCURRENCY, Stack, wait_final
 
@@ -51,6 +52,47 @@ def test_premium_jobs_behind_100_basic_jobs_each_start_before_another_basic_one(
     for job in premium_done:
         # At most one basic job (a slot freed while the premium jobs were posted) goes first.
         assert sum(start < _started(job) for start in basic_starts) <= 1
+
+
+def test_a_premium_job_starts_at_once_while_basic_jobs_hold_their_share_of_the_worker(
+    stack: Stack,
+) -> None:
+    basic_key = stack.create_key(Tier.BASIC)
+    premium_key = stack.create_key(Tier.PREMIUM)
+    share = math.floor(DEFAULT_TIER_POLICIES[Tier.BASIC].engine_share * WORKER_CONCURRENCY)
+    flood = _batch(stack, basic_key, 200, max_tokens=512, ignore_eos=True)
+    with stack.client(basic_key) as client:
+        try:
+            # The flood fills basic's share of the worker, and no more: the rest waits queued.
+            most = 0
+            deadline = time.monotonic() + 60
+            while most < share:
+                assert time.monotonic() < deadline, f"basic jobs did not fill their share ({most})"
+                most = max(most, len(_running_jobs(client)))
+                time.sleep(0.1)
+            premium = []
+            for i in range(5):
+                premium.append(stack.submit(premium_key, prompt=f"Premium {i}.", max_tokens=8))
+                most = max(most, len(_running_jobs(client)))
+                time.sleep(0.3)
+            assert stack.queue_lengths()["basic"] > 0, "the flood ended before the premium jobs"
+            premium_done = _finals(stack, premium_key, premium)
+            most = max(most, len(_running_jobs(client)))
+        finally:
+            for job in flood:
+                client.delete(f"/v1/jobs/{job['id']}")
+    assert most <= share, f"{most} basic jobs ran at once, past their share of {share}"
+    for job in premium_done:
+        assert job["status"] == "succeeded", job
+        # It started at once, without waiting for a basic job to end (each runs for seconds).
+        assert job["timings"]["queue_s"] < 1.0, job["timings"]
+    stack.wait_idle(timeout_s=120)
+
+
+def _running_jobs(client: httpx.Client) -> list[dict[str, Any]]:
+    page = client.get("/v1/jobs", params={"status": "running", "limit": 100}).json()
+    jobs: list[dict[str, Any]] = page["data"]
+    return jobs
 
 
 def test_a_flooding_owner_does_not_starve_another_owner_of_the_same_tier(stack: Stack) -> None:

@@ -1,0 +1,68 @@
+"""The per-tier reserve: what each tier may still take from the queues into one worker."""
+
+from __future__ import annotations
+
+from core import keys
+from core.tiers import DEFAULT_TIER_POLICIES, Tier
+from workers.reserve import TierReserve
+
+
+def _fill(reserve: TierReserve, tier: Tier, count: int, start: int = 0) -> None:
+    for index in range(start, start + count):
+        reserve.taken(f"{tier.value}-{index}", tier)
+
+
+def test_basic_work_leaves_the_tiers_above_their_share_of_the_slots() -> None:
+    reserve = TierReserve(DEFAULT_TIER_POLICIES, slots=100)
+    _fill(reserve, Tier.BASIC, 70)  # basic's share: 70 of 100 slots
+
+    left = reserve.left()
+    assert left[Tier.BASIC] == 0
+    assert left[Tier.STANDARD] == 15  # standard and basic together: 85
+    assert left[Tier.PREMIUM] == 100  # premium counts only its own jobs
+
+    _fill(reserve, Tier.STANDARD, 15)
+    assert reserve.left()[Tier.STANDARD] == 0
+    _fill(reserve, Tier.PREMIUM, 20)
+    assert reserve.left() == {Tier.PREMIUM: 80, Tier.STANDARD: 0, Tier.BASIC: 0}
+
+
+def test_a_full_worker_takes_only_premium_jobs_and_slots_free_as_messages_are_acked() -> None:
+    reserve = TierReserve(DEFAULT_TIER_POLICIES, slots=10)
+    _fill(reserve, Tier.PREMIUM, 10)
+    assert reserve.left() == {Tier.PREMIUM: 0, Tier.STANDARD: 0, Tier.BASIC: 0}
+
+    reserve.ended("premium-0")
+    reserve.ended("premium-0")  # an ack seen twice frees one slot
+    reserve.ended("unknown")
+    assert reserve.left() == {Tier.PREMIUM: 1, Tier.STANDARD: 1, Tier.BASIC: 1}
+    reserve.taken("premium-1", Tier.PREMIUM)  # a redelivery of a message it holds
+    assert reserve.left() == {Tier.PREMIUM: 1, Tier.STANDARD: 1, Tier.BASIC: 1}
+
+
+def test_a_tier_whose_share_rounds_to_nothing_still_gets_a_slot() -> None:
+    reserve = TierReserve(DEFAULT_TIER_POLICIES, slots=1)
+    assert reserve.left() == {Tier.PREMIUM: 1, Tier.STANDARD: 1, Tier.BASIC: 1}
+
+
+def test_lower_tiers_keep_within_their_share_of_the_kv_cache() -> None:
+    reserve = TierReserve(DEFAULT_TIER_POLICIES, slots=100, kv_tokens=10_000)
+    for _ in range(6):
+        reserve.job_started(Tier.BASIC, 1_000)  # 6,000 of basic's 7,000 tokens
+    _fill(reserve, Tier.BASIC, 6)
+
+    left = reserve.left()
+    assert left[Tier.BASIC] == 1  # room for one more job of the size it holds
+    assert left[Tier.STANDARD] == 2
+    reserve.job_started(Tier.BASIC, 1_000)
+    assert reserve.left()[Tier.BASIC] == 0
+
+    reserve.job_ended(Tier.BASIC, 1_000)
+    assert reserve.left()[Tier.BASIC] == 1
+
+
+def test_the_tier_of_a_queue_is_read_from_its_name() -> None:
+    assert keys.tier_of_queue(keys.queue_name(Tier.BASIC)) is Tier.BASIC
+    assert keys.tier_of_queue(keys.worker_queue_name(Tier.PREMIUM, "cpu.2@host")) is Tier.PREMIUM
+    assert keys.tier_of_queue("celery") is None
+    assert keys.tier_of_queue("inferq.other") is None

@@ -1,0 +1,100 @@
+"""Per-tier reserve: how much of the worker each tier may still take from the queues.
+
+vLLM schedules by priority among the requests it holds, but it never preempts a running request
+to admit a waiting one: a worker that fills every slot (or its whole KV cache) with basic jobs
+makes a premium job wait until one of them ends, seconds on a real model. So the worker keeps
+the higher tiers' share free. A tier and the tiers below it may together hold at most their
+`engine_share` of the worker's slots and of its KV cache; the top tier (share 1) counts only
+its own jobs, so a premium job is taken whenever one waits, and vLLM's priority scheduling
+runs it ahead of everything else in the engine.
+
+Slots are counted by message: the transport reports each message it delivers and each one
+acknowledged (`taken`, `ended`), tagged with its queue's tier. A message taken before the
+worker's connection dropped counts until its job ends, like the jobs its engine still runs. KV cache is counted by job:
+the runner reports each job's tokens (prompt plus `max_tokens`, what it may come to hold) when
+it starts and when it ends. The token limit is checked against what is held when the worker
+polls, so one bulk take may pass it by a few jobs; the next poll makes up for it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping
+
+from core.tiers import TIERS_BY_PRIORITY, Tier, TierPolicy
+
+
+class TierReserve:
+    """Counts what each tier holds of one worker, and what each may still take."""
+
+    def __init__(
+        self, policies: Mapping[Tier, TierPolicy], slots: int, kv_tokens: int | None = None
+    ) -> None:
+        self.slots = slots
+        self.kv_tokens = kv_tokens
+        self._shares = {tier: policies[tier].engine_share for tier in TIERS_BY_PRIORITY}
+        self._lock = threading.Lock()
+        self._tags: dict[str, Tier] = {}
+        self._held = dict.fromkeys(TIERS_BY_PRIORITY, 0)
+        self._tokens = dict.fromkeys(TIERS_BY_PRIORITY, 0)
+        self._jobs = dict.fromkeys(TIERS_BY_PRIORITY, 0)
+
+    def taken(self, tag: str, tier: Tier) -> None:
+        """A message of `tier` was delivered to the worker."""
+        with self._lock:
+            if tag not in self._tags:
+                self._tags[tag] = tier
+                self._held[tier] += 1
+
+    def ended(self, tag: str) -> None:
+        """The message was acknowledged or rejected (its slot is free); unknown tags are ignored."""
+        with self._lock:
+            tier = self._tags.pop(tag, None)
+            if tier is not None:
+                self._held[tier] -= 1
+
+    def job_started(self, tier: Tier, tokens: int) -> None:
+        """A job that may come to hold `tokens` of KV cache entered the engine."""
+        with self._lock:
+            self._tokens[tier] += tokens
+            self._jobs[tier] += 1
+
+    def job_ended(self, tier: Tier, tokens: int) -> None:
+        """The job `job_started` counted left the engine."""
+        with self._lock:
+            self._tokens[tier] -= tokens
+            self._jobs[tier] -= 1
+
+    def left(self) -> dict[Tier, int]:
+        """Messages each tier may still take now."""
+        with self._lock:
+            total = sum(self._held.values())
+            rooms: dict[Tier, int] = {}
+            held = tokens = jobs = 0
+            # From the bottom up, so each tier's count includes the tiers below it.
+            for tier in reversed(TIERS_BY_PRIORITY):
+                held += self._held[tier]
+                tokens += self._tokens[tier]
+                jobs += self._jobs[tier]
+                share = self._shares[tier]
+                if share >= 1:  # only its own jobs count: it may always take while one waits
+                    rooms[tier] = max(self.slots - self._held[tier], 0)
+                    continue
+                # At least one slot: a tier whose share rounds to nothing would never run.
+                room = min(max(math.floor(share * self.slots), 1) - held, self.slots - total)
+                if self.kv_tokens and jobs:
+                    budget = share * self.kv_tokens - tokens
+                    room = min(room, math.floor(budget / (tokens / jobs)))
+                rooms[tier] = max(room, 0)
+            return {tier: rooms[tier] for tier in TIERS_BY_PRIORITY}
+
+    def held(self) -> dict[Tier, int]:
+        """Messages held per tier."""
+        with self._lock:
+            return dict(self._held)
+
+    def __json__(self) -> dict[str, int]:
+        # Celery's remote control sends the transport options back as JSON (`celery inspect
+        # stats`, Flower's worker page): this shows what each tier holds.
+        return {tier.value: held for tier, held in self.held().items()}

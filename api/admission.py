@@ -1,13 +1,17 @@
 """Admission control: refuse work that would wait past its queue deadline anyway.
 
-The jobs ahead of a new one are those waiting in its tier and every higher tier (the shared
-queues, the workers' own queues of routed jobs, and the jobs held back for fair share). Workers
-count finished jobs in 10-second buckets; the best bucket of the last minute is the measured
-capacity, if it holds at least `MIN_MEASURED_JOBS` (fewer measure the demand of a quiet system,
-not its capacity). If the jobs ahead, at that rate, would keep the new job waiting past its
-queue limit, it is refused with 429 `queue_full` and a `Retry-After` of the excess, rather than
-accepted to time out. With no measurement (an idle, quiet or freshly started system),
-everything is admitted.
+Workers count, in 10-second buckets, the jobs they start per tier, and the runs they end with
+their run time. A new job of a tier waits for the jobs of its tier ahead of it (the shared
+queues, the workers' own queues of routed jobs, and the jobs held back for fair share); they
+start at the rate the tier's jobs started over the last `RATE_BUCKETS` complete buckets, which
+is what the tiers above leave it (each tier keeps a share of every worker, `workers.reserve`).
+If it would wait past `ADMIT_SHARE` of what its deadline allows (its queue limit, and its total
+limit less the time a job of its tier runs), it is refused with 429 `queue_full` and a
+`Retry-After`, rather than accepted to time out. A tier whose start rate is not measured (fewer
+than `MIN_MEASURED_JOBS` started) goes by the workers' capacity instead: the best bucket of
+finished jobs in the last minute, with every job waiting in its tier and the tiers above ahead
+of it. With neither measured (an idle, quiet or freshly started system), everything is admitted;
+a job with nothing ahead of it always is.
 
 Every submission is decided on a read of Redis made after it arrived or while it arrived, never
 on a remembered one: with Redis out, a submission is refused with 503 before anything is stored.
@@ -35,10 +39,14 @@ from scheduler.routing import WAITING_SCRIPT, waiting_args
 if TYPE_CHECKING:
     from api.services import Services
 
-BUCKET_S = 10
+BUCKET_S = keys.RATE_BUCKET_S
 WINDOW_BUCKETS = 6
+RATE_BUCKETS = 3
 MIN_MEASURED_JOBS = 20
-"""Fewer jobs finished in a bucket than this say nothing about capacity."""
+"""Fewer jobs finished in a bucket (or started in a tier's window) say nothing about capacity."""
+ADMIT_SHARE = 0.8
+"""A job is admitted if its estimated wait is within this share of what its deadline allows:
+the estimate lags changes in load by up to `RATE_BUCKETS` buckets."""
 
 
 async def waiting_counts(services: Services) -> dict[Tier, int]:
@@ -64,6 +72,10 @@ class QueueState:
     capacity: float
     """Jobs per second (0: not measured)."""
     waiting: dict[Tier, int]
+    started: dict[Tier, float]
+    """Jobs per second each tier's queue drained at (0: not measured)."""
+    run_s: dict[Tier, float]
+    """Seconds a run of each tier's jobs took on average in the last minute (0: none ended)."""
 
 
 class QueueStateReader:
@@ -95,20 +107,36 @@ class QueueStateReader:
 
     async def _read(self) -> QueueState:
         current = int(time.time()) // BUCKET_S
-        buckets = [keys.finished_bucket(current - i) for i in range(1, WINDOW_BUCKETS + 1)]
+        window = range(current - WINDOW_BUCKETS, current)
+        names = [keys.finished_bucket(b) for b in window]
+        for tier in TIERS_BY_PRIORITY:
+            names += [keys.started_tier_bucket(tier, b) for b in window[-RATE_BUCKETS:]]
+            names += [keys.finished_tier_bucket(tier, b) for b in window]
+            names += [keys.run_ms_bucket(tier, b) for b in window]
         pipe = self._redis.pipeline(transaction=False)
-        pipe.mget(buckets)
+        pipe.mget(names)
         pipe.eval(WAITING_SCRIPT, 0, *waiting_args())
-        finished, counts = await pipe.execute()
-        best = max(int(count or 0) for count in finished)
+        values, counts = await pipe.execute()
+        numbers = iter([int(value or 0) for value in values])
+        best = max(next(numbers) for _ in window)
+        started: dict[Tier, float] = {}
+        run_s: dict[Tier, float] = {}
+        for tier in TIERS_BY_PRIORITY:
+            starts = sum(next(numbers) for _ in range(RATE_BUCKETS))
+            finished = sum(next(numbers) for _ in window)
+            run_ms = sum(next(numbers) for _ in window)
+            started[tier] = starts / (RATE_BUCKETS * BUCKET_S) if starts >= MIN_MEASURED_JOBS else 0
+            run_s[tier] = run_ms / 1000 / finished if finished else 0.0
         return QueueState(
             capacity=best / BUCKET_S if best >= MIN_MEASURED_JOBS else 0.0,
             waiting={tier: int(n) for tier, n in zip(TIERS_BY_PRIORITY, counts, strict=True)},
+            started=started,
+            run_s=run_s,
         )
 
 
 async def admit_to_queue(services: Services, batch: list[NewJob]) -> None:
-    """Raise `QueueFull` if the batch's jobs would wait past their queue limits."""
+    """Raise `QueueFull` if the batch's jobs would wait past what their deadlines allow."""
     if not batch:
         return
     try:
@@ -116,22 +144,32 @@ async def admit_to_queue(services: Services, batch: list[NewJob]) -> None:
     except redis.exceptions.RedisError as exc:
         # Refused before anything is stored: the job could not be enqueued now anyway.
         raise ServiceUnavailable("The queue is unavailable; retry shortly.") from exc
-    capacity, waiting = state.capacity, state.waiting
-    if capacity <= 0:
-        return
     tier = Tier(batch[0].tier)
-    ahead = sum(waiting[t] for t in TIERS_BY_PRIORITY[: TIERS_BY_PRIORITY.index(tier) + 1])
+    rate = state.started[tier]
+    if rate > 0:
+        ahead, pace = state.waiting[tier], f"{tier.value} jobs started at {rate:.3g}/s"
+    elif state.capacity > 0:
+        rate = state.capacity
+        tiers = TIERS_BY_PRIORITY[: TIERS_BY_PRIORITY.index(tier) + 1]
+        ahead, pace = sum(state.waiting[t] for t in tiers), f"the measured {rate:g} jobs/s"
+    else:
+        return
     # The last job of the batch waits for everything ahead plus the rest of the batch; a job
     # with nothing ahead of it is next in line and always admitted (under light load the
     # measured rate is the demand, not the capacity, and would refuse it for nothing).
-    wait_s = (ahead + len(batch) - 1) / capacity
-    limit_s = min(new.queue_timeout_s or new.timeout_s for new in batch)
-    if wait_s <= limit_s:
+    if ahead + len(batch) - 1 == 0:
         return
-    retry_after = max(1, math.ceil(wait_s - limit_s))
+    wait_s = (ahead + len(batch) - 1) / rate
+    queue_limit_s = min(new.queue_timeout_s or new.timeout_s for new in batch)
+    run_s = state.run_s[tier]
+    allowed_s = min(queue_limit_s, min(new.timeout_s for new in batch) - run_s)
+    if wait_s <= ADMIT_SHARE * allowed_s:
+        return
+    retry_after = max(1, math.ceil(wait_s - ADMIT_SHARE * max(allowed_s, 0)))
+    runs = f" (less the {run_s:.1f} s a {tier.value} job runs)" if run_s else ""
     raise QueueFull(
-        f"The {tier.value} queue is full: {ahead} jobs are waiting ahead, and at the measured "
-        f"{capacity:g} jobs/s this {'batch' if len(batch) > 1 else 'job'} would wait about "
-        f"{wait_s:.0f} s, past its queue limit of {limit_s:g} s. Retry in {retry_after} s.",
+        f"The {tier.value} queue is full: {ahead} jobs are waiting ahead, and at {pace} this "
+        f"{'batch' if len(batch) > 1 else 'job'} would wait about {wait_s:.0f} s, past what its "
+        f"queue limit of {queue_limit_s:g} s allows{runs}. Retry in {retry_after} s.",
         retry_after=retry_after,
     )

@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -23,7 +24,7 @@ from core import keys
 from core.events import Event, EventPublisher
 from core.jobs import JobOutcome, JobStore
 from core.logs import job_fields
-from core.models import Job, utcnow
+from core.models import Job, as_utc, utcnow
 from core.resultcache import CachedResult
 from core.states import JobStatus, ServedFrom, final_event_type
 from workers.generation import GenerationResult
@@ -49,6 +50,26 @@ class _Finished:
     tier: str
     created_at: datetime
     cache_key: str | None
+    started_at: datetime | None
+
+
+def _count_finished(pipe: Any, finished: list[_Finished]) -> None:
+    """Count the runs that ended, all together and per tier with their run time."""
+    bucket = int(time.time()) // keys.RATE_BUCKET_S
+    counts: dict[str, int] = defaultdict(int)
+    run_ms: dict[str, int] = defaultdict(int)
+    now = utcnow()
+    for item in finished:
+        counts[item.tier] += 1
+        if item.started_at is not None:
+            run_ms[item.tier] += int((now - as_utc(item.started_at)).total_seconds() * 1000)
+    names = [(keys.finished_bucket(bucket), len(finished))]
+    for tier, count in counts.items():
+        names.append((keys.finished_tier_bucket(tier, bucket), count))
+        names.append((keys.run_ms_bucket(tier, bucket), max(run_ms[tier], 0)))
+    for name, amount in names:
+        pipe.incrby(name, amount)
+        pipe.expire(name, keys.RATE_BUCKET_TTL_S)
 
 
 class OutcomeRecorder:
@@ -93,6 +114,7 @@ class OutcomeRecorder:
                 job.tier,
                 job.created_at,
                 job.cache_key,
+                job.started_at,
             )
         )
         return ticket
@@ -141,10 +163,8 @@ class OutcomeRecorder:
             finals = [_final_event(job_id, outcome) for job_id, outcome in written.items()]
             self.publisher.publish_many(finals, client=pipe)
             self._cache_results(pipe, [i for i in batch if i.job_id in written])
-            if written:  # the measured capacity that admission control goes by
-                bucket = keys.finished_bucket(int(time.time()) // 10)
-                pipe.incrby(bucket, len(written))
-                pipe.expire(bucket, 120)
+            if written:  # the measured capacity and run times that admission control goes by
+                _count_finished(pipe, [item for item in batch if item.job_id in written])
             self.leases.release([(item.job_id, item.lease_token) for item in batch], pipe)
             pipe.execute()
         except redis.RedisError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -22,6 +23,7 @@ import redis.asyncio as aioredis
 from api.admission import (
     BUCKET_S,
     MIN_MEASURED_JOBS,
+    RATE_BUCKETS,
     QueueStateReader,
     admit_to_queue,
     measured_capacity,
@@ -116,3 +118,42 @@ def test_submissions_that_arrive_together_share_one_read_and_none_skips_it(
 
         outcomes = asyncio.run(scenario())
         assert all(isinstance(o, ServiceUnavailable) for o in outcomes), outcomes
+
+
+def test_a_basic_job_waits_for_what_the_tiers_above_leave_it(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        sync = redis.Redis.from_url(server.url)
+        current = int(time.time()) // BUCKET_S
+        # The workers finish 10 jobs/s, but the tiers above take most: basic jobs start at 1/s.
+        sync.set(keys.finished_bucket(current - 1), 10 * BUCKET_S)
+        for ago in range(1, RATE_BUCKETS + 1):
+            sync.set(keys.started_tier_bucket(Tier.BASIC, current - ago), BUCKET_S)
+            sync.set(keys.started_tier_bucket(Tier.PREMIUM, current - ago), 9 * BUCKET_S)
+        sync.rpush(keys.queue_name(Tier.BASIC), *(["m"] * 40))
+
+        async def scenario() -> tuple[str, int]:
+            client = aioredis.Redis.from_url(server.url)
+            services = cast(
+                Services, SimpleNamespace(redis=client, queue_state=QueueStateReader(client))
+            )
+            try:
+                # 40 basic jobs ahead at 1/s: 40 s, past its 30 s queue limit (at 10 jobs/s,
+                # the capacity, it would have been admitted to time out).
+                with pytest.raises(QueueFull) as refused:
+                    await admit_to_queue(services, [_job()])
+                # Premium has nothing ahead of it: the basic backlog does not hold it back.
+                await admit_to_queue(services, [replace(_job(), tier=Tier.PREMIUM.value)])
+                # 20 ahead at 1/s fit 30 s, but not once a basic run takes 40 s of its 60 s.
+                sync.ltrim(keys.queue_name(Tier.BASIC), 0, 19)
+                await admit_to_queue(services, [_job()])
+                sync.set(keys.finished_tier_bucket(Tier.BASIC, current - 1), 10)
+                sync.set(keys.run_ms_bucket(Tier.BASIC, current - 1), 10 * 40_000)
+                with pytest.raises(QueueFull) as late:
+                    await admit_to_queue(services, [_job()])
+                return refused.value.message, int(late.value.extra["retry_after"])
+            finally:
+                await client.aclose()
+
+        message, retry_after = asyncio.run(scenario())
+        assert "basic jobs started at 1/s" in message
+        assert retry_after >= 1

@@ -264,13 +264,18 @@ def save_chart(modes: list[ModeResult], title: str, path: Path) -> None:
 
 @contextlib.contextmanager
 def running_stack(
-    settings: Settings, api_port: int, env: dict[str, str] | None = None, worker: bool = True
+    settings: Settings,
+    api_port: int,
+    env: dict[str, str] | None = None,
+    worker: bool = True,
+    worker_timeout_s: float = 300,
 ) -> Iterator[tuple[str, str, float]]:
     """A local stack (own redis-server, the database, one CPU worker, the scheduler, the API).
 
     Yields the API's URL, a premium key and the start-up time; stops everything afterwards.
     `env` adds settings for the children (e.g. `INFERQ_WORKER_CONCURRENCY`); `worker=False`
-    starts no worker (nothing takes jobs from the queues).
+    starts no worker (nothing takes jobs from the queues); `worker_timeout_s` is how long the
+    worker may take to start (the demo model's engine takes minutes on a small CPU host).
     """
     from core.apikeys import KeyStore
     from core.db import Database
@@ -302,8 +307,8 @@ def running_stack(
         api_url = f"http://127.0.0.1:{api_port}"
         if not stack.wait_http(f"{api_url}/readyz", timeout_s=120):
             raise SystemExit("the API did not become ready within 120 s")
-        if worker and not stack.wait_worker(redis_url, timeout_s=300):
-            raise SystemExit("the worker did not start within 300 s")
+        if worker and not stack.wait_worker(redis_url, timeout_s=worker_timeout_s):
+            raise SystemExit(f"the worker did not start within {worker_timeout_s:g} s")
         yield api_url, key, time.perf_counter() - started
     finally:
         stack.stop()
@@ -316,9 +321,9 @@ MODEL_HELP = (
 )
 
 
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
+def add_model_argument(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
     """The `--model tiny|real|DIR` option every benchmark takes."""
-    parser.add_argument("--model", default="tiny", help=f"{MODEL_HELP} (default: tiny)")
+    parser.add_argument("--model", default=default, help=f"{MODEL_HELP} (default: {default})")
 
 
 def bench_model(choice: str) -> Path:

@@ -38,7 +38,7 @@ visibility restore returns them, and the worker that takes them skips their fina
 With a `tier_reserve` (a transport option, `workers.reserve.TierReserve`), the channel takes
 from a tier's queues only while the tier has room in the worker: BRPOP waits on those queues
 alone, and the bulk take stops at each tier's room. The reserve counts every message the
-transport delivers, by the queue it came from, until it is acknowledged.
+transport delivers, by the tier of the queue it was sent to, until it is acknowledged.
 
 Only the worker uses this transport; everything else publishes through the stock one, and the
 messages are the same.
@@ -338,14 +338,17 @@ class EdgeBatchingTransport(redis_transport.Transport):
     """Whether acks wait for the end of the event loop's turn (once registered with a loop)."""
 
     def _deliver(self, message: Any, queue: str) -> None:
-        # Counted against the tier of the queue it came from (an aged job moved to the premium
-        # queue counts as premium), from now until it is acknowledged.
+        # Counted against its job's tier from now until it is acknowledged: the tier of the
+        # queue it was sent to (an aged job the scheduler moved to the premium queue still
+        # counts as its own tier, as it runs at its own priority in the engine).
         options = self.client.transport_options if self.client is not None else {}
         reserve: TierReserve | None = options.get("tier_reserve")
-        tier = keys.tier_of_queue(queue) if reserve is not None else None
-        if reserve is not None and tier is not None and isinstance(message, dict):
-            tag = message.get("properties", {}).get("delivery_tag")
-            if tag:
+        if reserve is not None and isinstance(message, dict):
+            properties = message.get("properties") or {}
+            sent_to = (properties.get("delivery_info") or {}).get("routing_key") or queue
+            tier = keys.tier_of_queue(sent_to) or keys.tier_of_queue(queue)
+            tag = properties.get("delivery_tag")
+            if tag and tier is not None:
                 reserve.taken(tag, tier)
         super()._deliver(message, queue)
 

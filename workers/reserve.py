@@ -9,10 +9,11 @@ its own jobs, so a premium job is taken whenever one waits, and vLLM's priority 
 runs it ahead of everything else in the engine.
 
 Slots are counted by message: the transport reports each message it delivers and each one
-acknowledged (`taken`, `ended`), tagged with its queue's tier. A message taken before the
-worker's connection dropped counts until its job ends, like the jobs its engine still runs. KV cache is counted by job:
-the runner reports each job's tokens (prompt plus `max_tokens`, what it may come to hold) when
-it starts and when it ends. The token limit is checked against what is held when the worker
+acknowledged (`taken`, `ended`), tagged with its job's tier (an aged job moved to the premium
+queue counts as its own tier). A message taken before the worker's connection dropped counts
+until its job ends, like the jobs its engine still runs. KV cache is counted by job: the
+runner reports each job's tokens (prompt plus `max_tokens`, what it may come to hold) when it
+starts and when it ends. The token limit is checked against what is held when the worker
 polls, so one bulk take may pass it by a few jobs; the next poll makes up for it.
 """
 

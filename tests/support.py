@@ -253,14 +253,23 @@ def streamed_text(events: list[dict[str, Any]]) -> str:
 class ExtraWorker:
     """Another worker process beside the stack's own, which a test can kill and start again.
 
-    It runs in its own process group, so a kill takes its engine core with it.
+    It runs in its own process group, so a kill takes its engine core with it. It goes by
+    `name`, given with `--name`; with `named` False it is started without one, and `name` is
+    the one it is expected to choose.
     """
 
     def __init__(
-        self, stack: Stack, name: str, concurrency: int = 8, env: dict[str, str] | None = None
+        self,
+        stack: Stack,
+        name: str,
+        concurrency: int = 8,
+        env: dict[str, str] | None = None,
+        *,
+        named: bool = True,
     ) -> None:
         self.stack = stack
         self.name = name
+        self.named = named
         self.concurrency = concurrency
         self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
@@ -274,8 +283,7 @@ class ExtraWorker:
                 *command,
                 "--concurrency",
                 str(self.concurrency),
-                "--name",
-                self.name,
+                *(["--name", self.name] if self.named else []),
                 "--metrics-port=0",
             ],
             env={**self.stack.local.env, **self.env},
@@ -315,7 +323,8 @@ class ExtraWorker:
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         # Its counters would linger until their TTL; drop them so `wait_ready` sees the restart.
-        self.stack.redis.delete(keys.worker_stats(self.name))
+        # Its name's claim too, so a restart need not wait for the claim to lapse.
+        self.stack.redis.delete(keys.worker_stats(self.name), keys.worker_name_claim(self.name))
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -26,6 +28,35 @@ class DeviceSpec:
     def node_name(self, host: str | None = None) -> str:
         """The Celery node name, e.g. `gpu0@host`, as Flower shows it."""
         return f"{self.label}@{host or socket.gethostname()}"
+
+    def node_names(self, host: str | None = None) -> Iterator[str]:
+        """The names a worker on these devices may take, first choice first: `cpu@host`, then
+        `cpu.2@host`, `cpu.3@host`, … for more workers of the same devices on one host."""
+        host = host or socket.gethostname()
+        yield self.node_name(host)
+        for number in itertools.count(2):
+            yield f"{self.label}.{number}@{host}"
+
+
+OMP_BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
+"""Where vLLM's CPU build binds each engine's forward-pass threads (default `auto`)."""
+
+
+def unbind_extra_cpu_engine(spec: DeviceSpec, node_name: str, host: str | None = None) -> bool:
+    """Let the engine of a host's second, third, … CPU worker (`cpu.2@host`, …) run on any core.
+
+    vLLM binds every CPU engine's forward pass to the same cores (all but the last one), whatever
+    else runs on the host: two workers on a 2-core host both computed on core 0, and while one
+    generated, the other and the API beside them stalled for seconds (a cancel then reached its
+    job after it had ended). A binding set in the environment is kept; so is the first worker's.
+    Must run before the engine starts. Returns whether it changed anything.
+    """
+    host = host or socket.gethostname()
+    numbered = node_name.startswith(f"{spec.label}.") and node_name.endswith(f"@{host}")
+    if spec.kind != "cpu" or not numbered or OMP_BIND_VARIABLE in os.environ:
+        return False
+    os.environ[OMP_BIND_VARIABLE] = "nobind"
+    return True
 
 
 def engine_build() -> str:

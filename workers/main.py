@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 
@@ -19,8 +20,9 @@ from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY
 from core.tracing import init_tracing
 from core.tracing import shutdown as shutdown_tracing
+from core.workernames import WorkerNameClaim, WorkerNameTaken, claim_first_free, claim_name
 from scheduler.queues import make_celery_app
-from workers.devices import DeviceSpec, pin_devices
+from workers.devices import DeviceSpec, pin_devices, unbind_extra_cpu_engine
 from workers.edge import JobsHeld
 from workers.merging import MergingEngine
 from workers.metrics import DeviceMemory
@@ -86,6 +88,17 @@ def _tick() -> None:
     """Nothing: firing at all is what wakes Celery's event loop."""
 
 
+def claim_node_name(client: redis.Redis, spec: DeviceSpec, name: str | None) -> WorkerNameClaim:
+    """This worker's node name, held in Redis while it lives (see `core.workernames`).
+
+    A name given explicitly is waited for briefly (its holder may be this worker's previous
+    life); without one, the first free name for the devices: `cpu@host`, `cpu.2@host`, …
+    """
+    if name is not None:
+        return claim_name(client, name)
+    return claim_first_free(client, spec.node_names())
+
+
 def run_worker(
     settings: Settings,
     spec: DeviceSpec,
@@ -96,13 +109,21 @@ def run_worker(
 ) -> int:
     """Run a worker until it is told to stop; returns the exit code."""
     pin_devices(spec)
-    set_context(worker=name or spec.node_name())
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        name_claim = claim_node_name(client, spec, name)
+    except WorkerNameTaken as exc:
+        log.error("%s", exc)
+        return 1
+    atexit.register(name_claim.release)  # also when starting fails (a no-op once released)
+    node_name = name_claim.name
+    set_context(worker=node_name)
+    if unbind_extra_cpu_engine(spec, node_name):
+        log.info("not the host's first CPU worker: its engine's threads are not bound to cores")
     init_tracing("inferq-worker", settings.otlp_endpoint)
     serve_metrics(settings.worker_metrics_port if metrics_port is None else metrics_port)
     from workers.engine import VllmEngine  # imports vllm: only after pinning
 
-    node_name = name or spec.node_name()
-    client = redis.Redis.from_url(settings.redis_url)
     deltas = DeltaPublisher(EventPublisher(client, settings.job_key_ttl_s))
     engine = MergingEngine(deltas.publish_step, enabled=settings.merge_requests)
     vllm = VllmEngine(
@@ -113,6 +134,7 @@ def run_worker(
         stats_label=node_name if settings.engine_metrics else None,
     )
     vllm.start()
+    name_claim.started()  # the engine is loaded: the claim's short TTL applies from now on
     engine.attach(vllm)
     runner = JobRunner(
         settings=settings,
@@ -194,4 +216,6 @@ def run_worker(
         engine.shutdown()
         shutdown_tracing()
         log.info("worker %s stopped", node_name)
+        # Last: a worker restarted under this name waits until this one has let go of it.
+        name_claim.release()
     return int(worker.exitcode or 0)

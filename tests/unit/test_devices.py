@@ -9,7 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from workers.devices import ENGINE_CORE_PROCESS, DeviceSpec, lower_engine_core_priority, parse_gpus
+from workers.devices import (
+    ENGINE_CORE_PROCESS,
+    OMP_BIND_VARIABLE,
+    DeviceSpec,
+    lower_engine_core_priority,
+    parse_gpus,
+    unbind_extra_cpu_engine,
+)
 
 # A child that names itself (as vLLM's processes do), starts a second thread, and waits.
 _CHILD = """
@@ -26,6 +33,29 @@ def test_node_names_follow_the_devices() -> None:
     assert DeviceSpec("cuda", (0,)).node_name("host") == "gpu0@host"
     assert DeviceSpec("cuda", (2, 3)).node_name("host") == "gpu2-3@host"
     assert DeviceSpec("cpu").node_name("host") == "cpu@host"
+
+
+def test_more_workers_of_the_same_devices_on_one_host_get_numbered_names() -> None:
+    cpu = DeviceSpec("cpu").node_names("host")
+    assert [next(cpu) for _ in range(4)] == ["cpu@host", "cpu.2@host", "cpu.3@host", "cpu.4@host"]
+    gpus = DeviceSpec("cuda", (0, 1)).node_names("host")
+    assert [next(gpus) for _ in range(3)] == ["gpu0-1@host", "gpu0-1.2@host", "gpu0-1.3@host"]
+
+
+def test_only_a_hosts_further_cpu_workers_leave_their_engine_threads_unbound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(OMP_BIND_VARIABLE, raising=False)
+    cpu = DeviceSpec("cpu")
+    assert not unbind_extra_cpu_engine(cpu, "cpu@host", "host")
+    assert not unbind_extra_cpu_engine(cpu, "victim@host", "host")  # a name given by hand
+    assert not unbind_extra_cpu_engine(DeviceSpec("cuda", (0,)), "gpu0.2@host", "host")
+    assert OMP_BIND_VARIABLE not in os.environ
+    assert unbind_extra_cpu_engine(cpu, "cpu.2@host", "host")
+    assert os.environ[OMP_BIND_VARIABLE] == "nobind"
+    monkeypatch.setenv(OMP_BIND_VARIABLE, "1")  # a binding chosen by hand is kept
+    assert not unbind_extra_cpu_engine(cpu, "cpu.3@host", "host")
+    assert os.environ[OMP_BIND_VARIABLE] == "1"
 
 
 @pytest.mark.parametrize("value", ["", "x", "0,0", "-1", "0,,a"])

@@ -36,24 +36,33 @@ class TierReserve:
         self.kv_tokens = kv_tokens
         self._shares = {tier: policies[tier].engine_share for tier in TIERS_BY_PRIORITY}
         self._lock = threading.Lock()
-        self._tags: dict[str, Tier] = {}
+        self._tags: dict[str, tuple[Tier, int]] = {}  # tag → its tier, deliveries not acked
         self._held = dict.fromkeys(TIERS_BY_PRIORITY, 0)
         self._tokens = dict.fromkeys(TIERS_BY_PRIORITY, 0)
         self._jobs = dict.fromkeys(TIERS_BY_PRIORITY, 0)
 
     def taken(self, tag: str, tier: Tier) -> None:
-        """A message of `tier` was delivered to the worker."""
+        """A message of `tier` was delivered to the worker.
+
+        A message can be delivered again while the worker still runs its job (the transport
+        restored it when the connection dropped): each delivery counts until it is acknowledged,
+        so the skipped duplicate's ack does not free the running job's slot.
+        """
         with self._lock:
-            if tag not in self._tags:
-                self._tags[tag] = tier
-                self._held[tier] += 1
+            known, deliveries = self._tags.get(tag, (tier, 0))
+            self._tags[tag] = (known, deliveries + 1)
+            self._held[known] += 1
 
     def ended(self, tag: str) -> None:
-        """The message was acknowledged or rejected (its slot is free); unknown tags are ignored."""
+        """One delivery of the message was acknowledged or rejected; unknown tags are ignored."""
         with self._lock:
-            tier = self._tags.pop(tag, None)
-            if tier is not None:
-                self._held[tier] -= 1
+            entry = self._tags.pop(tag, None)
+            if entry is None:
+                return
+            tier, deliveries = entry
+            self._held[tier] -= 1
+            if deliveries > 1:
+                self._tags[tag] = (tier, deliveries - 1)
 
     def job_started(self, tier: Tier, tokens: int) -> None:
         """A job that may come to hold `tokens` of KV cache entered the engine."""

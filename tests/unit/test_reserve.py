@@ -36,8 +36,14 @@ def test_a_full_worker_takes_only_premium_jobs_and_slots_free_as_messages_are_ac
     reserve.ended("premium-0")  # an ack seen twice frees one slot
     reserve.ended("unknown")
     assert reserve.left() == {Tier.PREMIUM: 1, Tier.STANDARD: 1, Tier.BASIC: 1}
-    reserve.taken("premium-1", Tier.PREMIUM)  # a redelivery of a message it holds
-    assert reserve.left() == {Tier.PREMIUM: 1, Tier.STANDARD: 1, Tier.BASIC: 1}
+    # A message restored after a lost connection comes again while its job still runs: the
+    # duplicate is skipped and acked, and the running job keeps its slot until its own ack.
+    reserve.taken("premium-1", Tier.PREMIUM)
+    assert reserve.left()[Tier.PREMIUM] == 0
+    reserve.ended("premium-1")
+    assert reserve.left()[Tier.PREMIUM] == 1
+    reserve.ended("premium-1")
+    assert reserve.left()[Tier.PREMIUM] == 2
 
 
 def test_a_tier_whose_share_rounds_to_nothing_still_gets_a_slot() -> None:

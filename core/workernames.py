@@ -133,9 +133,7 @@ class WorkerNameClaim:
         while not self._stopped.wait(self.ttl_ms / 3000):
             try:
                 renewed = self.renew()
-            except (
-                redis.RedisError
-            ) as exc:  # Redis is out: the claim is taken again once it is back
+            except redis.RedisError as exc:  # once Redis is back, the claim is taken again
                 log.warning("could not renew worker name %r (%s); retrying", self.name, exc)
                 continue
             if held and not renewed:

@@ -3,14 +3,13 @@
 Workers count, in 10-second buckets, the jobs they start per tier, and the runs they end with
 their run time. A new job of a tier waits for the jobs of its tier ahead of it (the shared
 queues, the workers' own queues of routed jobs, and the jobs held back for fair share); they
-start at the rate the tier's jobs started over the last `RATE_BUCKETS` complete buckets, which
-is what the tiers above leave it (each tier keeps a share of every worker, `workers.reserve`).
+start at the rate the tier's jobs started over the last `RATE_BUCKETS` complete buckets, or, if
+more, at the capacity the tiers above leave it (a tier with little demand started few jobs).
 If it would wait past `ADMIT_SHARE` of what its deadline allows (its queue limit, and its total
 limit less the time a job of its tier runs), it is refused with 429 `queue_full` and a
-`Retry-After`, rather than accepted to time out. A tier whose start rate is not measured (fewer
-than `MIN_MEASURED_JOBS` started) goes by the workers' capacity instead: the best bucket of
-finished jobs in the last minute, with every job waiting in its tier and the tiers above ahead
-of it. With neither measured (an idle, quiet or freshly started system), everything is admitted;
+`Retry-After`, rather than accepted to time out. The capacity is the best bucket of finished
+jobs in the last minute; a tier's start rate counts once `MIN_MEASURED_JOBS` started in its
+window. With neither measured (an idle, quiet or freshly started system), everything is admitted;
 a job with nothing ahead of it always is.
 
 Every submission is decided on a read of Redis made after it arrived or while it arrived, never
@@ -145,15 +144,14 @@ async def admit_to_queue(services: Services, batch: list[NewJob]) -> None:
         # Refused before anything is stored: the job could not be enqueued now anyway.
         raise ServiceUnavailable("The queue is unavailable; retry shortly.") from exc
     tier = Tier(batch[0].tier)
-    rate = state.started[tier]
-    if rate > 0:
-        ahead, pace = state.waiting[tier], f"{tier.value} jobs started at {rate:.3g}/s"
-    elif state.capacity > 0:
-        rate = state.capacity
-        tiers = TIERS_BY_PRIORITY[: TIERS_BY_PRIORITY.index(tier) + 1]
-        ahead, pace = sum(state.waiting[t] for t in tiers), f"the measured {rate:g} jobs/s"
-    else:
+    # What the tier's queue drains at: what its jobs started at, or, if more, the capacity the
+    # tiers above leave it (a tier with little demand started few jobs, and could start more).
+    above = TIERS_BY_PRIORITY[: TIERS_BY_PRIORITY.index(tier)]
+    left = state.capacity - sum(state.started[t] for t in above) if state.capacity > 0 else 0.0
+    rate = max(state.started[tier], left)
+    if rate <= 0:
         return
+    ahead, pace = state.waiting[tier], f"{tier.value} jobs start at about {rate:.3g}/s"
     # The last job of the batch waits for everything ahead plus the rest of the batch; a job
     # with nothing ahead of it is next in line and always admitted (under light load the
     # measured rate is the demand, not the capacity, and would refuse it for nothing).

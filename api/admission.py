@@ -24,7 +24,6 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -32,11 +31,8 @@ import redis.exceptions
 from core import keys
 from core.errors import QueueFull, ServiceUnavailable
 from core.jobs import NewJob
+from core.queue.routing import WAITING_SCRIPT, waiting_args
 from core.tiers import TIERS_BY_PRIORITY, Tier
-from scheduler.routing import WAITING_SCRIPT, waiting_args
-
-if TYPE_CHECKING:
-    from api.services import Services
 
 BUCKET_S = keys.RATE_BUCKET_S
 WINDOW_BUCKETS = 6
@@ -48,9 +44,9 @@ ADMIT_SHARE = 0.8
 the estimate lags changes in load by up to `RATE_BUCKETS` buckets."""
 
 
-async def waiting_counts(services: Services) -> dict[Tier, int]:
+async def waiting_counts(client: aioredis.Redis) -> dict[Tier, int]:
     """Jobs waiting per tier: queued messages (shared and routed) plus jobs held back."""
-    counts = await services.redis.eval(WAITING_SCRIPT, 0, *waiting_args())
+    counts = await client.eval(WAITING_SCRIPT, 0, *waiting_args())
     return {tier: int(n) for tier, n in zip(TIERS_BY_PRIORITY, counts, strict=True)}
 
 
@@ -58,8 +54,8 @@ async def measured_capacity(client: aioredis.Redis) -> float:
     """Jobs per second the workers finished in the best complete bucket of the last minute.
 
     0 (not measured) when no bucket holds `MIN_MEASURED_JOBS`: so few jobs measure how little
-    was asked, not what the workers can do. (A warm-up job followed by a batch of 64 once read
-    as 0.1 jobs/s, and the batch was refused as if it would wait 630 s.)
+    was asked, not what the workers can do (a warm-up job followed by a batch of 64 would read
+    as 0.1 jobs/s, and the batch be refused as if it would wait 630 s).
     """
     return (await QueueStateReader(client).read()).capacity
 
@@ -134,12 +130,12 @@ class QueueStateReader:
         )
 
 
-async def admit_to_queue(services: Services, batch: list[NewJob]) -> None:
+async def admit_to_queue(queue_state: QueueStateReader, batch: list[NewJob]) -> None:
     """Raise `QueueFull` if the batch's jobs would wait past what their deadlines allow."""
     if not batch:
         return
     try:
-        state = await services.queue_state.read()
+        state = await queue_state.read()
     except redis.exceptions.RedisError as exc:
         # Refused before anything is stored: the job could not be enqueued now anyway.
         raise ServiceUnavailable("The queue is unavailable; retry shortly.") from exc

@@ -12,8 +12,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from api import metrics
 from api.errors import install_error_handlers
 from api.limits import BodySizeLimit
+from api.openai import batch_router, file_router
+from api.openai import router as openai_router
 from api.openapi import install_openapi
-from api.routes import batches, files, health, jobs, openai, qa_batches, streams
+from api.routes import health, jobs, qa_batches, streams
 from api.services import Services
 from api.url_guard import NulFreeUrls
 from core.heap import freeze_heap
@@ -81,9 +83,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics.router)
     app.include_router(jobs.router)
     app.include_router(streams.router)
-    app.include_router(openai.router)
-    app.include_router(files.router)
-    app.include_router(batches.router)
+    app.include_router(openai_router.router)
+    app.include_router(file_router.router)
+    app.include_router(batch_router.router)
     app.include_router(qa_batches.router)
     logging.getLogger("inferq").setLevel(settings.log_level)
     return app

@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from core.jobs import JobStore, NewJob
 from core.metrics import count_submitted
 from core.models import Job
-from scheduler.dispatch import Dispatcher, queued
+from core.queue.dispatch import Dispatcher, queued
 
 RETRY_S = 1.0
 """How often jobs stored while Redis was out are offered to it again."""

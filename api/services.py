@@ -18,10 +18,10 @@ from core.db import Database
 from core.events import AsyncEventPublisher
 from core.jobs import JobStore
 from core.modelinfo import ModelInfo, load_model_info
+from core.queue.app import make_celery_app
+from core.queue.dispatch import Dispatcher
 from core.quotas import QuotaLimiter
 from core.settings import Settings
-from scheduler.dispatch import Dispatcher
-from scheduler.queues import make_celery_app
 
 
 class PrincipalCache:

@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.admission import admit_to_queue
 from api.cache import announce_cached, cache_key_for, fill_from_cache
-from api.chat_prompt import render_chat
+from api.openai.chat_prompt import render_chat
 from api.schemas import JobCreate
 from api.services import Services
 from core import keys
@@ -29,10 +29,10 @@ from core.errors import (
 from core.jobs import NewJob
 from core.metrics import JOBS_FINISHED, count_submitted
 from core.models import Batch, Job
+from core.queue.dispatch import queued
 from core.quotas import Admission
 from core.states import JobStatus
 from core.tracing import current_headers, tracer
-from scheduler.dispatch import queued
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ async def submit_job(
                 return existing, False
         [new] = await fill_from_cache(services, [new])
         if new.cached is None:
-            await admit_to_queue(services, [new])
+            await admit_to_queue(services.queue_state, [new])
         await admit(services, principal, [new])
         if idempotency_key is not None or new.cached is not None:
             job, created = await run_in_threadpool(_submit_blocking, services, new)
@@ -161,7 +161,7 @@ async def submit_jobs(
                 for index, new in enumerate(batch)
             ]
         batch = await fill_from_cache(services, batch)
-        await admit_to_queue(services, [new for new in batch if new.cached is None])
+        await admit_to_queue(services.queue_state, [new for new in batch if new.cached is None])
         await admit(services, principal, batch)
         also = [batch_row] if batch_row is not None else []
         jobs = await run_in_threadpool(_store_many, services, batch, headers, also)

@@ -182,7 +182,7 @@ async def run_load(
     stop_p95_ms: float,
 ) -> list[Step]:
     """Every rate step in turn, on one connection pool; stops after a far-saturated step."""
-    from scheduler.routing import waiting_counts
+    from core.queue.routing import waiting_counts
 
     connector = aiohttp.TCPConnector(limit=CONNECTIONS)
     timeout = aiohttp.ClientTimeout(total=60)

@@ -42,7 +42,7 @@ from report import (
 )
 from vllm_server import vllm_server
 
-from api.chat_prompt import render_chat
+from api.openai.chat_prompt import render_chat
 from api.qa_batches import DEFAULT_SYSTEM, DEFAULT_TEMPLATE
 from core.modelinfo import ModelInfo, load_model_info
 from core.settings import Settings

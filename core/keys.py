@@ -78,7 +78,7 @@ def key_active(key_id: int) -> str:
 
 
 def held_list(tier: Tier | str, owner: str) -> str:
-    """One owner's jobs held back from a full tier queue (`scheduler.dispatch`)."""
+    """One owner's jobs held back from a full tier queue (`core.queue.dispatch`)."""
     return f"{PREFIX}:held:{Tier(tier).value}:list:{owner}"
 
 

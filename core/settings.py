@@ -131,6 +131,13 @@ class Settings(BaseSettings):
     otlp_endpoint: str | None = Field(
         default=None, description="OTLP/HTTP collector for traces, e.g. http://otel:4318."
     )
+    celery_mode: Literal["inferq", "stock"] = Field(
+        default="inferq",
+        description="inferq: workers take jobs in bulk, per tier, with inferq's task strategy, "
+        "and the API builds messages itself, all tested on the pinned Celery and kombu; stock: "
+        "Celery's own transport, strategy and send_task, for any Celery version (slower; no "
+        "per-tier room in the worker).",
+    )
     task_events: bool = Field(
         default=False,
         description="Send Celery task events (Flower's task pages); costs Redis traffic per job.",
@@ -178,7 +185,9 @@ class Settings(BaseSettings):
         default=True,
         description="Identical deterministic jobs in flight on a worker share one engine request.",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="INFO", description="The least severe level every inferq process logs."
+    )
 
     tiers_file: Path | None = Field(
         default=None,

@@ -97,8 +97,8 @@ def scheduler() -> None:
     from core.db import Database
     from core.jobs import JobStore
     from core.metrics import serve_metrics
-    from scheduler.dispatch import Dispatcher
-    from scheduler.queues import make_celery_app
+    from core.queue.app import make_celery_app
+    from core.queue.dispatch import Dispatcher
     from scheduler.reaper import Scheduler
     from scheduler.retention import run_retention
 

@@ -1,1 +1,1 @@
-"""Which queue a job goes to, and the Celery app both the API and the workers share."""
+"""The scheduler process: queue deadlines, the lease reaper, the held-job dispatcher, retention."""

@@ -32,9 +32,9 @@ from core.events import EventPublisher
 from core.jobs import JobStore
 from core.metrics import JOBS_FINISHED, JOBS_REQUEUED
 from core.models import Job, as_utc, utcnow
+from core.queue.app import ENQUEUED_AT_HEADER, enqueue_job, enqueue_jobs
 from core.settings import Settings
 from core.states import JobStatus
-from scheduler.queues import ENQUEUED_AT_HEADER, enqueue_job, enqueue_jobs
 
 log = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from core import keys
 from core.apikeys import KeyStore, Quota
 from core.db import Database
 from core.modelinfo import served_model_name
+from core.queue.routing import waiting_counts
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.workerinfo import live_workers
 from inferq.local import LocalStack, free_port, redis_reachable, redis_server_command
-from scheduler.routing import waiting_counts
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 POSTGRES_ADMIN_URL = os.environ.get(
@@ -343,7 +343,7 @@ def worker_paused(stack: Stack, name: str | None = None) -> Iterator[None]:
     Uses Celery's remote control on every queue the worker polls, and adds them back in the
     order it polls them (tier by tier, its own queue before the shared one).
     """
-    from scheduler.queues import make_celery_app
+    from core.queue.app import make_celery_app
 
     worker = name or stack.worker_name
     app = make_celery_app(stack.local.settings)

@@ -16,12 +16,12 @@ from core.heap import freeze_heap
 from core.jobs import JobStore
 from core.logs import set_context
 from core.metrics import serve_metrics
+from core.queue.app import make_celery_app
 from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY
 from core.tracing import init_tracing
 from core.tracing import shutdown as shutdown_tracing
 from core.workernames import WorkerNameClaim, WorkerNameTaken, claim_first_free, claim_name
-from scheduler.queues import make_celery_app
 from workers.devices import DeviceSpec, pin_devices, unbind_extra_cpu_engine
 from workers.edge import JobsHeld
 from workers.merging import MergingEngine
@@ -173,20 +173,22 @@ def run_worker(
     worker_ready.connect(announce, weak=False)
 
     app = make_celery_app(settings)
-    # Bulk takes (see workers.edge; edge_batch 1 takes one message at a time, as kombu does),
-    # a prefetch limit that still counts the jobs taken before a reconnect, and a channel that
-    # survives losing Redis.
-    app.conf.broker_transport = "workers.edge:EdgeBatchingTransport"
-    app.conf.broker_transport_options = {
-        **app.conf.broker_transport_options,
-        "edge_batch": settings.edge_batch,
-        "jobs_held": JobsHeld(runner.held),
-        # Each tier takes from its queues only while it has room here (see workers.reserve).
-        "tier_reserve": runner.reserve,
-    }
+    stock = settings.celery_mode == "stock"
+    if not stock:
+        # Bulk takes (see workers.edge; edge_batch 1 takes one message at a time, as kombu
+        # does), a prefetch limit that still counts the jobs taken before a reconnect, and a
+        # channel that survives losing Redis.
+        app.conf.broker_transport = "workers.edge:EdgeBatchingTransport"
+        app.conf.broker_transport_options = {
+            **app.conf.broker_transport_options,
+            "edge_batch": settings.edge_batch,
+            "jobs_held": JobsHeld(runner.held),
+            # Each tier takes from its queues only while it has room here (workers.reserve).
+            "tier_reserve": runner.reserve,
+        }
     # Each message's job goes straight to the runner, unless task events need Celery's own
-    # per-task requests (see workers.tasks).
-    register_tasks(app, runner, direct=not settings.task_events)
+    # per-task requests or the stock mode asks for Celery's own strategy (see workers.tasks).
+    register_tasks(app, runner, direct=not (settings.task_events or stock))
     worker = app.Worker(
         hostname=node_name,
         pool="threads",

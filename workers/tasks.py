@@ -3,8 +3,9 @@
 By default the worker's consumer hands each message's job straight to the runner
 (`direct_strategy`, a Celery task strategy) and acknowledges the message once the job's
 outcome is stored: no request object, pool thread or per-task bookkeeping for each job. Celery's
-own strategy, which runs `JobRunner.run` in a pool thread per job, is used only with task events
-on (Flower's task pages are built from the events it sends).
+own strategy, which runs `JobRunner.run` in a pool thread per job, is used with task events on
+(Flower's task pages are built from the events it sends) and in the stock mode
+(`INFERQ_CELERY_MODE=stock`, see `core.celery_compat`).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from celery import Celery, Task
 from celery.worker import state as worker_state
 from opentelemetry.trace import SpanKind
 
+from core.queue.app import RUN_JOB_TASK
 from core.states import JobStatus
 from core.tracing import context_from, tracer
-from scheduler.queues import RUN_JOB_TASK
 from workers.runner import JobRunner
 
 log = logging.getLogger(__name__)

@@ -1,1 +1,1 @@
-"""HTTP routes, one module per resource."""
+"""HTTP routes of the native API, one module per resource (the OpenAI ones: `api.openai`)."""

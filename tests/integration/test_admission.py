@@ -97,19 +97,21 @@ def test_submissions_that_arrive_together_share_one_read_and_none_skips_it(
             try:
                 # 50 submissions at once: one read decides them all.
                 sync.config_resetstat()
-                await asyncio.gather(*(admit_to_queue(services, [_job()]) for _ in range(50)))
+                await asyncio.gather(
+                    *(admit_to_queue(services.queue_state, [_job()]) for _ in range(50))
+                )
                 assert _reads(sync) == 1
                 # One after another, each reads for itself: the queue grew meanwhile.
-                await admit_to_queue(services, [_job()])
+                await admit_to_queue(services.queue_state, [_job()])
                 # 400 jobs ahead at 10 jobs/s: 40 s, past the 30 s queue limit.
                 sync.rpush(keys.queue_name(Tier.BASIC), *(["m"] * 400))
                 with pytest.raises(QueueFull):
-                    await admit_to_queue(services, [_job()])
+                    await admit_to_queue(services.queue_state, [_job()])
                 assert _reads(sync) == 3
                 # Redis gone: every submission is refused, none admitted on an old answer.
                 server.stop()
                 outcomes = await asyncio.gather(
-                    *(admit_to_queue(services, [_job()]) for _ in range(5)),
+                    *(admit_to_queue(services.queue_state, [_job()]) for _ in range(5)),
                     return_exceptions=True,
                 )
                 return [o if isinstance(o, BaseException) else None for o in outcomes]
@@ -140,16 +142,18 @@ def test_a_basic_job_waits_for_what_the_tiers_above_leave_it(tmp_path: Path) -> 
                 # 40 basic jobs ahead at 1/s: 40 s, past its 30 s queue limit (at 10 jobs/s,
                 # the capacity, it would have been admitted to time out).
                 with pytest.raises(QueueFull) as refused:
-                    await admit_to_queue(services, [_job()])
+                    await admit_to_queue(services.queue_state, [_job()])
                 # Premium has nothing ahead of it: the basic backlog does not hold it back.
-                await admit_to_queue(services, [replace(_job(), tier=Tier.PREMIUM.value)])
+                await admit_to_queue(
+                    services.queue_state, [replace(_job(), tier=Tier.PREMIUM.value)]
+                )
                 # 20 ahead at 1/s fit 30 s, but not once a basic run takes 40 s of its 60 s.
                 sync.ltrim(keys.queue_name(Tier.BASIC), 0, 19)
-                await admit_to_queue(services, [_job()])
+                await admit_to_queue(services.queue_state, [_job()])
                 sync.set(keys.finished_tier_bucket(Tier.BASIC, current - 1), 10)
                 sync.set(keys.run_ms_bucket(Tier.BASIC, current - 1), 10 * 40_000)
                 with pytest.raises(QueueFull) as late:
-                    await admit_to_queue(services, [_job()])
+                    await admit_to_queue(services.queue_state, [_job()])
                 return refused.value.message, int(late.value.extra["retry_after"])
             finally:
                 await client.aclose()

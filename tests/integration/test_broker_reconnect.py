@@ -15,8 +15,8 @@ from collections.abc import Callable
 from sqlalchemy import select
 
 from core.models import Job, as_utc
+from core.queue.app import make_celery_app
 from core.tiers import Tier
-from scheduler.queues import make_celery_app
 from tests.netcut import cut_redis_connections
 from tests.support import BLOCKER_TOKENS, WORKER_CONCURRENCY, Stack, wait_final
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import redis
 
 from core import keys
+from core.queue.app import RUN_JOB_TASK, enqueue_job, enqueue_jobs, make_celery_app
+from core.queue.dispatch import Dispatcher, QueuedJob
 from core.settings import Settings
 from core.tiers import Tier
-from scheduler.dispatch import Dispatcher, QueuedJob
-from scheduler.queues import RUN_JOB_TASK, enqueue_job, enqueue_jobs, make_celery_app
 from tests.support import redis_server
 
 

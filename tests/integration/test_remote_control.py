@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from core.queue.app import RUN_JOB_TASK, make_celery_app
 from core.tiers import Tier
-from scheduler.queues import RUN_JOB_TASK, make_celery_app
 from tests.support import Stack, wait_final
 
 JOBS = 3

@@ -19,8 +19,8 @@ from sqlalchemy import select
 
 from core import keys
 from core.models import Job
+from core.queue.routing import pick_worker, prefix_key
 from core.tiers import Tier
-from scheduler.routing import pick_worker, prefix_key
 from tests.support import Stack, wait_final
 
 PHANTOM = "phantom@inferq-test"

@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import select
 
 from core.models import Job
+from core.queue.app import make_celery_app
 from core.tiers import Tier
-from scheduler.queues import make_celery_app
 from tests.support import ExtraWorker, Stack, wait_final, worker_paused
 
 NAME = "events@inferq-test"

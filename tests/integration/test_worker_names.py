@@ -23,6 +23,8 @@ from sqlalchemy import select
 
 from core import keys
 from core.models import Job
+from core.queue.app import make_celery_app
+from core.queue.routing import pick_worker, prefix_key
 from core.tiers import Tier
 from core.workerinfo import live_workers
 from core.workernames import (
@@ -32,8 +34,6 @@ from core.workernames import (
     claim_first_free,
     claim_name,
 )
-from scheduler.queues import make_celery_app
-from scheduler.routing import pick_worker, prefix_key
 from tests.support import ExtraWorker, Stack, read_sse, streamed_text, wait_final
 from workers.devices import DeviceSpec
 

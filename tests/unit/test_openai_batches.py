@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from api.errors import uses_openai_errors
-from api.openai_batch_protocol import (
+from api.openai.batch_protocol import (
     DuplicateCustomId,
     InvalidLine,
     RequestCounts,

@@ -11,16 +11,16 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from tokenizers import Tokenizer
 
-from api.chat_prompt import render_chat, render_fallback
 from api.errors import install_error_handlers
-from api.openai_protocol import (
+from api.openai.chat_prompt import render_chat, render_fallback
+from api.openai.protocol import (
     ChatCompletionRequest,
     ChunkFormat,
     CompletionRequest,
     check_model,
     job_failure,
 )
-from api.openai_serving import StreamDiverged, StreamedText
+from api.openai.serving import StreamDiverged, StreamedText
 from core.errors import AuthenticationFailed, InvalidRequest, ModelNotFound
 from core.modelinfo import ModelInfo
 from core.states import JobStatus

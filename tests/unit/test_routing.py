@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from core.queue.dispatch import QueuedJob, _parse
+from core.queue.routing import pick_worker, prefix_key
 from core.tiers import Tier
-from scheduler.dispatch import QueuedJob, _parse
-from scheduler.routing import pick_worker, prefix_key
 
 
 def test_only_prompts_at_least_the_threshold_long_get_a_key() -> None:

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 from celery.worker import state as worker_state
 
+from core.queue.app import RUN_JOB_TASK
 from core.states import JobStatus
-from scheduler.queues import RUN_JOB_TASK
 from workers.tasks import ReadyTasks, RunningTask, _ended
 
 

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import PrincipalDep, ServicesDep
-from api.openai_batch_protocol import unix
+from api.openai.batch_protocol import unix
 from api.openapi import COMMON_ERRORS, error_responses
 from core.errors import InvalidRequest, NotFound
 from core.files import FileStore, new_stored_file

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import base64
-import json
-import uuid
-from collections import defaultdict
 from functools import lru_cache
-from typing import Any
 
-import redis
 from celery import Celery
 from kombu import Queue
 
-from core import keys
+from core import celery_compat, keys
+from core.celery_compat import PUBLISH_BATCH, run_job_messages
 from core.settings import Settings, get_settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
 
@@ -21,12 +16,14 @@ RUN_JOB_TASK = "inferq.run_job"
 ENQUEUED_AT_HEADER = "inferq_enqueued_at"
 """Message header: when the job was submitted (Unix seconds), for aging."""
 REDELIVER_UNACKED_AFTER_S = 30
-PUBLISH_BATCH = 1000
-"""Most messages sent in one Redis pipeline; a bigger group goes in several."""
 
 
 def make_celery_app(settings: Settings) -> Celery:
-    """A Celery app whose workers take premium jobs first and never hoard what they can't start."""
+    """A Celery app whose workers take premium jobs first and never hoard what they can't start.
+
+    Stops with `celery_compat.UntestedCeleryError` where inferq's mode of Celery cannot run.
+    """
+    celery_compat.check(settings.celery_mode)
     app = Celery("inferq", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
         task_queues=[Queue(keys.queue_name(tier)) for tier in TIERS_BY_PRIORITY],
@@ -54,6 +51,9 @@ def make_celery_app(settings: Settings) -> Celery:
         # workers and their heartbeats show in Flower either way.
         worker_send_task_events=settings.task_events,
         task_send_sent_event=settings.task_events,
+        # inferq's own key: "stock" publishes with `send_task` and runs the worker on Celery's
+        # own transport and strategy (see core.celery_compat).
+        inferq_celery_mode=settings.celery_mode,
     )
     return app
 
@@ -88,84 +88,20 @@ def enqueue_jobs(
     and a caller that sends the group again (as `Dispatcher.submit_or_defer` does) gives those
     jobs a second message, which workers skip.
 
-    `RunJobMessages` makes the messages; with task events on, Celery sends each itself (and
-    its task-sent event, for Flower), batched in one pipeline by kombu.
+    `core.celery_compat.RunJobMessages` makes the messages; with task events on (for their
+    task-sent events, for Flower) or in the stock mode, Celery sends each itself, batched in one
+    pipeline by kombu.
     """
     targets = [
         (queues[index] if queues else None) or keys.queue_name(tier)
         for index, (_, tier) in enumerate(jobs)
     ]
     per_job = headers or [{}] * len(jobs)
-    if not app.conf.task_send_sent_event:
-        run_job_messages(app).push([job_id for job_id, _ in jobs], targets, per_job)
+    if not app.conf.task_send_sent_event and app.conf.get("inferq_celery_mode") != "stock":
+        run_job_messages(app, RUN_JOB_TASK).push([job_id for job_id, _ in jobs], targets, per_job)
         return
     with app.producer_or_acquire() as producer, producer.batch(max_size=PUBLISH_BATCH):
         for (job_id, _), queue, extra in zip(jobs, targets, per_job, strict=True):
             app.send_task(
                 RUN_JOB_TASK, args=[job_id], queue=queue, producer=producer, headers=extra
             )
-
-
-class RunJobMessages:
-    """`run_job` messages for the Redis broker, made as Celery makes them, minus its per-call work.
-
-    `send_task` spends 150-300 µs a message (routing, option merging, signals, kombu's publish
-    path) on a message whose only parts that vary are the job id, two random ids and the
-    headers. This asks Celery for the message once and fills in those parts per job: the worker
-    receives what `send_task` would have sent (a test compares the two on a real Redis). The
-    messages go out as one LPUSH per queue, in order, so they are taken first in, first out
-    like Celery's.
-    """
-
-    def __init__(self, app: Celery) -> None:
-        template = app.amqp.as_task_v2("", RUN_JOB_TASK, args=[""], ignore_result=None)
-        self._headers: dict[str, Any] = dict(template.headers)
-        self._embed = template.body[2]
-        self._reply_to = str(app.thread_oid)
-        self._client = redis.Redis.from_url(
-            str(app.conf.broker_url), socket_connect_timeout=2, socket_timeout=10
-        )
-
-    def message(self, job_id: str, queue: str, headers: dict[str, str]) -> bytes:
-        """The message that runs `job_id`, serialized as kombu's Redis transport stores it."""
-        task_id = str(uuid.uuid4())
-        body = json.dumps([[job_id], {}, self._embed]).encode()
-        envelope = {
-            "body": base64.b64encode(body).decode(),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": {
-                **self._headers,
-                "id": task_id,
-                "root_id": task_id,
-                "argsrepr": repr([job_id]),
-                **headers,
-            },
-            "properties": {
-                "correlation_id": task_id,
-                "reply_to": self._reply_to,
-                "delivery_mode": 2,
-                "delivery_info": {"exchange": "", "routing_key": queue},
-                "priority": 0,
-                "body_encoding": "base64",
-                "delivery_tag": str(uuid.uuid4()),
-            },
-        }
-        return json.dumps(envelope).encode()
-
-    def push(self, job_ids: list[str], queues: list[str], headers: list[dict[str, str]]) -> None:
-        """Put each job's message on its queue: one LPUSH per queue, all in one round trip."""
-        by_queue: dict[str, list[bytes]] = defaultdict(list)
-        for job_id, queue, extra in zip(job_ids, queues, headers, strict=True):
-            by_queue[queue].append(self.message(job_id, queue, extra))
-        pipe = self._client.pipeline(transaction=False)
-        for queue, messages in by_queue.items():
-            for start in range(0, len(messages), PUBLISH_BATCH):
-                pipe.lpush(queue, *messages[start : start + PUBLISH_BATCH])
-        pipe.execute()
-
-
-@lru_cache(maxsize=8)
-def run_job_messages(app: Celery) -> RunJobMessages:
-    """The app's message maker (and its Redis client), made on first use."""
-    return RunJobMessages(app)

@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from api.openai_batch_protocol import (
+from api.openai.batch_protocol import (
     BatchCreate,
     InvalidLine,
     RequestCounts,

@@ -12,16 +12,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from api.chat_prompt import render_chat
 from api.deps import PrincipalDep, ServicesDep
-from api.openai_protocol import (
+from api.openai.chat_prompt import render_chat
+from api.openai.protocol import (
     ChatCompletionRequest,
     CompletionKind,
     CompletionRequest,
     check_model,
     model_card,
 )
-from api.openai_serving import completion_response, completion_stream, wait_for_job
+from api.openai.serving import completion_response, completion_stream, wait_for_job
 from api.openapi import COMMON_ERRORS, error_responses
 from api.schemas import JobCreate
 from api.services import Services

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from api.errors import error_body
-from api.openai_protocol import (
+from api.openai.protocol import (
     SSE_DONE,
     ChunkFormat,
     CompletionKind,

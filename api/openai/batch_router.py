@@ -1,7 +1,7 @@
 """`/v1/batches`: OpenAI's Batch API — create, retrieve, list and cancel batches.
 
 Each request line of the input file becomes an ordinary job on the caller's tier. Reading a
-batch (retrieve, list, cancel) also moves it on: see `api.openai_batches`.
+batch (retrieve, list, cancel) also moves it on: see `api.openai.batches`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from fastapi import APIRouter, Query
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import PrincipalDep, ServicesDep
-from api.openai_batch_protocol import BatchCreate, batch_object
-from api.openai_batches import advance, cancel_batch, create_batch, get_batch
+from api.openai.batch_protocol import BatchCreate, batch_object
+from api.openai.batches import advance, cancel_batch, create_batch, get_batch
+from api.openai.file_router import page
 from api.openapi import COMMON_ERRORS, error_responses
-from api.routes.files import page
 from core.errors import InvalidRequest
 from core.openai_batches import OpenAIBatchStore
 

@@ -4,7 +4,7 @@ An input file is JSON Lines, one request per line: `{custom_id, method: "POST", 
 `parse_input` splits it into requests and invalid lines (a duplicate custom_id rejects the
 whole file); `line_job` turns a request's body into a job exactly as the live endpoint would.
 The result records and the batch object follow OpenAI's shapes. The lifecycle is in
-`api.openai_batches`.
+`api.openai.batches`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.chat_prompt import render_chat
 from api.errors import describe_validation_error
-from api.openai_protocol import (
+from api.openai.chat_prompt import render_chat
+from api.openai.protocol import (
     ChatCompletionRequest,
     CompletionKind,
     CompletionRequest,

@@ -12,9 +12,9 @@ cannot do by itself are done here:
 - **Aging.** Every message carries its job's submission time (`inferq_enqueued_at`). A message
   in a lower tier's queue older than that tier's `promote_after_s` is moved, atomically, to the
   front of the premium queue, so a basic job's wait stays bounded under sustained premium load.
-  A worker's own queues (see `scheduler.routing`) age the same way, into its own premium queue.
+  A worker's own queues (see `core.queue.routing`) age the same way, into its own premium queue.
 - **Prefix routing.** A job with a long prompt is sent to the worker its prefix hashes to (see
-  `scheduler.routing`); the dispatcher also hands lost workers' own queues back to the shared
+  `core.queue.routing`); the dispatcher also hands lost workers' own queues back to the shared
   ones.
 
 The dispatcher polls for room only while jobs are held; otherwise it blocks on a wake list
@@ -39,10 +39,10 @@ from kombu.exceptions import KombuError
 
 from core import keys
 from core.models import Job, as_utc
+from core.queue.app import ENQUEUED_AT_HEADER, enqueue_jobs
+from core.queue.routing import WorkerDirectory, pick_worker, prefix_key
 from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
-from scheduler.queues import ENQUEUED_AT_HEADER, enqueue_jobs
-from scheduler.routing import WorkerDirectory, pick_worker, prefix_key
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class QueuedJob:
     enqueued_at: float = field(default_factory=time.time)
     headers: dict[str, str] = field(default_factory=dict, compare=False)
     route: str | None = None
-    """The prompt's prefix key, for jobs routed to a worker (see `scheduler.routing`)."""
+    """The prompt's prefix key, for jobs routed to a worker (see `core.queue.routing`)."""
 
     def entry(self) -> str:
         """How the job is kept in a held list."""

@@ -2,7 +2,7 @@
 
 Requests become ordinary jobs (`JobCreate`, validated as `POST /v1/jobs` validates them); jobs'
 outcomes and stream events become OpenAI completions, chunks and error objects. The routes are
-in `api.routes.openai`.
+in `api.openai.router`.
 """
 
 from __future__ import annotations

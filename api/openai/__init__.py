@@ -1,0 +1,1 @@
+"""The OpenAI-compatible surface: its protocol, serving logic, batches and chat templates."""

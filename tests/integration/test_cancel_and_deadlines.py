@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
+import pytest
 
 from core.tiers import Tier
 from tests.support import (
@@ -19,6 +20,9 @@ from tests.support import (
     streamed_text,
     wait_final,
 )
+
+# The job's lifecycle: also run on stock Celery (scripts/test.sh, INFERQ_CELERY_MODE=stock).
+pytestmark = pytest.mark.lifecycle
 
 
 def _moment(job: dict[str, Any], timing: str) -> datetime:

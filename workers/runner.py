@@ -1,8 +1,8 @@
 """Runs jobs: claim them, start attempts, generate in the engine, record the outcomes.
 
 The worker's consumer hands each job id to `JobRunner.submit` and goes on: no thread waits
-for a job. Starting is batched (see `workers.starting`); when the engine ends a run, the
-outcome goes to the recorder (see `workers.outcomes`), and when it is stored, the job's
+for a job. Starting is batched (`workers.starting.JobStarter`); when the engine ends a run,
+the outcome goes to the recorder (see `workers.outcomes`), and when it is stored, the job's
 callback acknowledges its message. A job in flight costs no thread, only its place in the
 engine.
 
@@ -13,7 +13,6 @@ cancelled or claimed by a live worker does nothing.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -34,7 +33,7 @@ from workers.merging import MergingEngine
 from workers.metrics import WorkerStats
 from workers.outcomes import OutcomeRecorder
 from workers.reserve import TierReserve
-from workers.starting import UNAVAILABLE, JobStarting, Started, StartOutcome
+from workers.starting import UNAVAILABLE, JobStarter, RunningJobs, Started, StartOutcome
 from workers.streams import DeltaPublisher
 
 log = logging.getLogger(__name__)
@@ -46,7 +45,7 @@ START_RETRY_FIRST_DELAY_S = 0.2
 START_RETRY_MAX_DELAY_S = 5.0
 
 
-class JobRunner(JobStarting):
+class JobRunner:
     """Takes job ids off the queue and drives them through the engine."""
 
     def __init__(
@@ -83,13 +82,26 @@ class JobRunner(JobStarting):
         self._outstanding = 0
         self._idle = threading.Condition()
         # job id → engine request id, for every job this worker is running
-        self._running: dict[str, str] = {}
+        self._running = RunningJobs()
         self._stale_leases = StaleLeases()
-        self._to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]] = queue.SimpleQueue()
-        self._starter = threading.Thread(
-            target=self._start_loop, name="inferq-starter", daemon=True
+        self.starter = JobStarter(
+            settings=settings,
+            store=store,
+            engine=engine,
+            redis_client=redis_client,
+            worker_name=worker_name,
+            publisher=self.publisher,
+            stats=self.stats,
+            leases=self.leases,
+            outcomes=self.outcomes,
+            running=self._running,
+            stale_leases=self._stale_leases,
+            kv_held=self._kv_held,
+            cancel=self.cancel,
+            watch=self.watch,
+            deltas=deltas,
+            reserve=reserve,
         )
-        self._starter.start()
 
     def submit(self, job_id: str, on_end: Callable[[JobStatus | None], None]) -> None:
         """Run the job if it still needs running, without waiting for it.
@@ -134,9 +146,8 @@ class JobRunner(JobStarting):
         self, job_id: str, ended: Callable[[JobStatus | None], None], delay_s: float
     ) -> None:
         """Hand the job to the starter; its answer goes on in `_on_start`."""
-        ticket: Future[StartOutcome] = Future()
+        ticket = self.starter.start(job_id)
         ticket.add_done_callback(partial(self._on_start, job_id, ended, delay_s))
-        self._to_start.put((job_id, ticket))
 
     def _on_start(
         self,
@@ -188,8 +199,7 @@ class JobRunner(JobStarting):
     ) -> None:
         job = started.job
         # A later attempt of the same job may have started here meanwhile: leave it be.
-        if self._running.get(job.id) == started.request_id:
-            del self._running[job.id]
+        self._running.end(job.id, started.request_id)
         counted = self._kv_held.pop(started.request_id, None)
         if counted is not None and self.reserve is not None:
             self.reserve.job_ended(*counted)
@@ -214,7 +224,7 @@ class JobRunner(JobStarting):
 
     def cancel(self, job_id: str) -> bool:
         """Abort a job this worker is running; False if it is not running here."""
-        request_id = self._running.get(job_id)
+        request_id = self._running.request_of(job_id)
         return request_id is not None and self.engine.cancel(request_id)
 
     def renew_leases(self) -> None:
@@ -224,7 +234,7 @@ class JobRunner(JobStarting):
         still hold without knowing it (`StaleLeases`), and watches running jobs that have
         pub/sub subscribers, so their deltas go out live.
         """
-        running = list(self._running)
+        running = self._running.job_ids()
         stale = self._stale_leases.pending()
         pipe = self.redis.pipeline(transaction=False)
         self.leases.renew(running, pipe)

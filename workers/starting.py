@@ -1,4 +1,4 @@
-"""Starting jobs in batches: the half of `JobRunner` that claims jobs and puts them in the engine.
+"""Starting jobs in batches: `JobStarter` claims the runner's jobs and puts them in the engine.
 
 One starter thread takes every job waiting to start and claims, checks and starts them together
 (one read, one Redis round trip, one UPDATE … RETURNING, one more round trip to announce them),
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -52,36 +54,96 @@ class Started:
     generation: Future[GenerationResult]
 
 
+class RunningJobs:
+    """The engine request of every job running in this worker, safe to change from any thread.
+
+    The starter adds a job's request, a generation's callback removes it, and the heartbeat,
+    cancels and watches read it, each on a thread of its own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[str, str] = {}
+
+    def add(self, job_id: str, request_id: str) -> None:
+        """The job now runs as `request_id` (a later attempt replaces an earlier one)."""
+        with self._lock:
+            self._requests[job_id] = request_id
+
+    def end(self, job_id: str, request_id: str) -> None:
+        """`request_id` has ended; the job stays listed if a later attempt runs it now."""
+        with self._lock:
+            if self._requests.get(job_id) == request_id:
+                del self._requests[job_id]
+
+    def request_of(self, job_id: str) -> str | None:
+        """The engine request the job runs as here, if it runs here."""
+        with self._lock:
+            return self._requests.get(job_id)
+
+    def job_ids(self) -> list[str]:
+        """The jobs running here now."""
+        with self._lock:
+            return list(self._requests)
+
+
 # What the starter answers for one job: started, ended without the engine, or skipped (None).
 StartOutcome = Started | JobStatus | None
 
 
-class JobStarting:
-    """The starter thread's work; mixed into `JobRunner`, which owns the state it uses."""
+class JobStarter:
+    """Claims, checks and starts jobs in batches, on a thread of its own (see the module doc).
 
-    settings: Settings
-    store: JobStore
-    engine: MergingEngine
-    redis: redis.Redis
-    worker_name: str
-    publisher: EventPublisher
-    stats: WorkerStats
-    deltas: DeltaPublisher | None
-    outcomes: OutcomeRecorder
-    leases: Leases
-    _running: dict[str, str]
-    reserve: TierReserve | None
-    _kv_held: dict[str, tuple[Tier, int]]
-    _stale_leases: StaleLeases
-    _to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]]
+    `JobRunner` makes it with the state the two share: the jobs running here, the KV tokens the
+    tier reserve counts for them, and the leases still to release; `cancel` and `watch` are the
+    runner's, for a cancel or a reader that came before its job started here.
+    """
 
-    def watch(self, job_id: str) -> None:
-        """Publish the job's deltas live (`JobRunner.watch`)."""
-        raise NotImplementedError
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        store: JobStore,
+        engine: MergingEngine,
+        redis_client: redis.Redis,
+        worker_name: str,
+        publisher: EventPublisher,
+        stats: WorkerStats,
+        leases: Leases,
+        outcomes: OutcomeRecorder,
+        running: RunningJobs,
+        stale_leases: StaleLeases,
+        kv_held: dict[str, tuple[Tier, int]],
+        cancel: Callable[[str], bool],
+        watch: Callable[[str], None],
+        deltas: DeltaPublisher | None = None,
+        reserve: TierReserve | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.engine = engine
+        self.redis = redis_client
+        self.worker_name = worker_name
+        self.publisher = publisher
+        self.stats = stats
+        self.leases = leases
+        self.outcomes = outcomes
+        self.deltas = deltas
+        self.reserve = reserve
+        self._running = running
+        self._stale_leases = stale_leases
+        self._kv_held = kv_held
+        self._cancel = cancel
+        self._watch = watch
+        self._to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._start_loop, name="inferq-starter", daemon=True)
+        self._thread.start()
 
-    def cancel(self, job_id: str) -> bool:
-        """Abort the job's run here (`JobRunner.cancel`)."""
-        raise NotImplementedError
+    def start(self, job_id: str) -> Future[StartOutcome]:
+        """Start the job with the next batch; the answer comes in the future."""
+        ticket: Future[StartOutcome] = Future()
+        self._to_start.put((job_id, ticket))
+        return ticket
 
     def _start_loop(self) -> None:
         while True:
@@ -92,7 +154,7 @@ class JobStarting:
                 except queue.Empty:
                     break
             try:
-                answers = self._start_batch([job_id for job_id, _ in batch])
+                answers = self.start_batch([job_id for job_id, _ in batch])
             except Exception as exc:  # every job of the batch hears about it
                 if isinstance(exc, UNAVAILABLE):
                     log.warning("could not start a batch of %d jobs: %s", len(batch), exc)
@@ -105,8 +167,9 @@ class JobStarting:
                 # A duplicate message in the same batch is skipped: only the first one runs.
                 ticket.set_result(answers.pop(job_id, None))
 
-    def _start_batch(self, job_ids: list[str]) -> dict[str, StartOutcome]:
-        """Claim, check and start the given jobs; the answer for each id (absent: skipped)."""
+    def start_batch(self, job_ids: list[str]) -> dict[str, StartOutcome]:
+        """Claim, check and start the given jobs now, on this thread; the answer for each id
+        (absent: skipped). The starter's thread calls it for each batch."""
         ids = list(dict.fromkeys(job_ids))  # a duplicate in one batch is skipped like any other
         jobs = self.store.get_many(ids)
         for job_id in set(ids) - set(jobs):
@@ -149,10 +212,10 @@ class JobStarting:
                 generation = self._submit(job)
             except Exception:  # not in the engine: its lease goes, and the reaper hands it on
                 log.exception("job %s: the engine did not take it", job.id)
-                self._running.pop(job.id, None)
+                self._running.end(job.id, _request_id(job))
                 self._release_lease(job.id, tokens[job.id])
                 continue
-            answers[job.id] = Started(job, tokens[job.id], self._running[job.id], generation)
+            answers[job.id] = Started(job, tokens[job.id], _request_id(job), generation)
             submitted.append(job.id)
         self._catch_early_flags(submitted)
         with self.stats.lock:
@@ -186,7 +249,7 @@ class JobStarting:
 
     def _submit(self, job: Job) -> Future[GenerationResult]:
         request = GenerationRequest(
-            request_id=f"{job.id}-{job.attempt}",
+            request_id=_request_id(job),
             prompt=job.prompt,
             sampling=dict(job.sampling_params),
             priority=engine_priority(self.settings.tier_policy(job.tier)),
@@ -194,7 +257,7 @@ class JobStarting:
             job_id=job.id,
             attempt=job.attempt,
         )
-        self._running[job.id] = request.request_id
+        self._running.add(job.id, request.request_id)
         generation, merged = self.engine.submit_merging(request)
         with self.stats.lock:
             self.stats.in_flight += 1
@@ -269,9 +332,9 @@ class JobStarting:
             return
         for index, job_id in enumerate(job_ids):
             if flags[2 * index] is not None:
-                self.cancel(job_id)
+                self._cancel(job_id)
             if flags[2 * index + 1] is not None:
-                self.watch(job_id)
+                self._watch(job_id)
 
     def _release_lease(self, job_id: str, token: str) -> None:
         try:
@@ -291,3 +354,8 @@ def _queue_expired(job: Job) -> bool:
 def _remaining_s(job: Job) -> float:
     """Seconds left before the job's deadline (negative once it has passed)."""
     return job.timeout_s - (datetime.now(UTC) - as_utc(job.created_at)).total_seconds()
+
+
+def _request_id(job: Job) -> str:
+    """The engine request id of the job's current attempt."""
+    return f"{job.id}-{job.attempt}"

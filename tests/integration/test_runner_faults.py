@@ -94,7 +94,7 @@ def test_a_step_that_raises_ends_the_job_instead_of_stranding_it(
     parts.engine.finish(f"{job_id}-1")
     assert parts.runner.drain(timeout_s=30), "the job never ended"
     assert ends == [None]  # its lease lapses, and the reaper hands it on
-    assert job_id not in parts.runner._running
+    assert parts.runner._running.request_of(job_id) is None
 
 
 def test_a_job_the_engine_refuses_goes_back_while_the_rest_of_its_batch_runs(
@@ -102,10 +102,10 @@ def test_a_job_the_engine_refuses_goes_back_while_the_rest_of_its_batch_runs(
 ) -> None:
     first, refused, last = (parts.queued_job(f"Batch {i}.") for i in range(3))
     parts.engine.refused.add(refused)
-    answers = parts.runner._start_batch([first, refused, last])
+    answers = parts.runner.starter.start_batch([first, refused, last])
     assert isinstance(answers[first], Started) and isinstance(answers[last], Started)
     assert refused not in answers  # skipped: its message is acknowledged
-    assert set(parts.runner._running) == {first, last}
+    assert set(parts.runner._running.job_ids()) == {first, last}
     # Running in the database with no lease: the reaper requeues it as a lost attempt.
     assert parts.redis.get(keys.job_lease(refused)) is None
     stored = parts.store.get(refused)
@@ -126,10 +126,10 @@ def test_a_claim_whose_reply_was_lost_is_claimed_again(
 
     monkeypatch.setattr(parts.runner.leases, "claim", claim_then_lose_the_reply)
     with pytest.raises(redis.ConnectionError):
-        parts.runner._start_batch([job_id])
+        parts.runner.starter.start_batch([job_id])
     monkeypatch.undo()
     assert parts.redis.get(keys.job_lease(job_id)) is not None  # Redis did set it
-    answers = parts.runner._start_batch([job_id])
+    answers = parts.runner.starter.start_batch([job_id])
     assert isinstance(answers.get(job_id), Started), answers
     stored = parts.store.get(job_id)
     assert stored is not None and (stored.status, stored.attempt) == ("running", 1)
@@ -149,7 +149,7 @@ def test_a_lease_whose_claim_reply_was_lost_is_released_by_the_next_heartbeat(
 
     monkeypatch.setattr(parts.runner.leases, "claim", claim_then_lose_the_reply)
     with pytest.raises(redis.ConnectionError):
-        parts.runner._start_batch([job_id])
+        parts.runner.starter.start_batch([job_id])
     monkeypatch.undo()
 
     other_worker = {job_id: "other@inferq-test:1"}

@@ -89,11 +89,14 @@ def test_keys_and_the_flower_password_never_reach_the_logs(stack: Stack, flower_
     job_id = _use_keys(stack, key, wrong_key)
     assert httpx.get(flower_url, auth=(FLOWER_USER, FLOWER_PASSWORD)).status_code == 200
     assert httpx.get(flower_url, auth=(FLOWER_USER, "not-" + FLOWER_PASSWORD)).status_code == 401
-    time.sleep(1)  # let the processes write what they log about these requests
+    # The logs that are read must be the live ones, holding what was logged about these requests.
+    deadline = time.monotonic() + 30
+    while job_id not in (_log_dir(stack) / "worker.log").read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the worker never logged the job"
+        time.sleep(0.2)
 
     logs = {path.name: path.read_text(errors="replace") for path in _log_dir(stack).glob("*.log")}
     assert {"api.log", "worker.log", "scheduler.log", "flower.log"} <= set(logs)
-    assert job_id in logs["worker.log"]  # the logs that were read are the live ones
     for name, text in logs.items():
         for secret in (key, wrong_key, FLOWER_PASSWORD):
             assert secret not in text, f"{name} contains a secret"

@@ -1,12 +1,12 @@
 """Outages of the services inferq stands on, under load: every accepted job still ends once.
 
-Named to run last of the integration tests on each database.
+Each test runs a stack of its own, on a Redis and a database of its own, so what it takes away
+never reaches another test's stack, whatever order the tests run in.
 
 - Redis restart: a Redis server of the test's own is stopped while jobs queue and run, and
   started again empty (it persists nothing, the harshest case). The API answers 503 meanwhile;
   the API, worker and scheduler recover without being restarted, and the scheduler puts the
-  queued jobs whose messages Redis lost back on the queues. The test runs a stack of its own,
-  on a fresh database, so no other test shares the Redis it empties.
+  queued jobs whose messages Redis lost back on the queues.
 - Database outage (PostgreSQL): the job database refuses every connection for a few seconds.
   The API answers 503; workers retry their writes and their job starts; nothing is lost.
 - Redis failing just after jobs were stored: they are accepted, and sent once it is back.
@@ -27,11 +27,11 @@ import pytest
 import redis
 from sqlalchemy.engine import make_url
 
+from core.queue.app import make_celery_app
+from core.queue.dispatch import Dispatcher, QueuedJob
+from core.queue.routing import waiting_counts
 from core.settings import Settings
 from core.tiers import Tier
-from scheduler.dispatch import Dispatcher, QueuedJob
-from scheduler.queues import make_celery_app
-from scheduler.routing import waiting_counts
 from tests.otlp import OtlpReceiver
 from tests.stacks import running_stack
 from tests.support import (
@@ -213,8 +213,9 @@ def _database_refusing_connections(database_url: str) -> Iterator[None]:
             admin.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
 
 
-@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
-def test_database_outage_loses_nothing(stack: Stack) -> None:
+@pytest.mark.parametrize("own_stack", ["postgresql"], indirect=True)
+def test_database_outage_loses_nothing(own_stack: tuple[Stack, RedisServer]) -> None:
+    stack, _ = own_stack
     key = stack.create_key(Tier.STANDARD)
     pids = {name: process.pid for name, process in stack.local.processes}
     with stack.client(key) as client:

@@ -1,7 +1,7 @@
 """The same jobs through the vLLM engine alone and through the whole inferq pipeline, side by side.
 
 Run: `.venv/bin/python bench/pipeline.py [--jobs 256 --max-tokens 64 --repeat 3 --batch-size 64
---out DIR]`.
+--stock --out DIR]`.
 
 The engine alone (in this process), vLLM's own OpenAI server on the same engine arguments
 (`vllm serve`, every job its own `/v1/completions` request) and a running inferq stack stay up
@@ -10,6 +10,10 @@ in turn. Each mode reports its median run; the throughput ratio is the median of
 ratios, each run over the engine-alone run of its own round. On a shared host one run of a
 few seconds can be off by ±20%, and the machine's speed drifts over minutes: comparing modes
 that ran minutes apart measured the host as much as inferq.
+
+With `--stock`, a second inferq stack runs on stock Celery (`INFERQ_CELERY_MODE=stock`: kombu's
+own Redis transport, Celery's task strategy, `send_task`) beside the first, and each round
+drives it the same two ways: the cost of running without `core.celery_compat`'s adaptations.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -80,6 +85,13 @@ class Rounds:
     server: list[ModeResult] = field(default_factory=list)
     single: list[ModeResult] = field(default_factory=list)
     batched: list[ModeResult] = field(default_factory=list)
+    stock_single: list[ModeResult] = field(default_factory=list)
+    stock_batched: list[ModeResult] = field(default_factory=list)
+
+    def pipelines(self) -> list[list[ModeResult]]:
+        """Each inferq mode's runs, those on stock Celery last (if run)."""
+        modes = [self.single, self.batched, self.stock_single, self.stock_batched]
+        return [runs for runs in modes if runs]
 
     def paired_ratios(self, mode: list[ModeResult]) -> list[float]:
         """Per round, that mode's throughput over the engine alone's in the same round."""
@@ -97,6 +109,7 @@ class Startup:
     engine: float
     server: float
     stack: float
+    stock_stack: float = 0.0
 
 
 def run_rounds(
@@ -125,9 +138,15 @@ def run_rounds(
         with vllm_server(settings, free_port(), server_log) as (server_url, server_pid):
             server_startup_s = time.perf_counter() - started
             server_processes = {server_pid} | descendants(server_pid)
-            with running_stack(settings, free_port()) as (api_url, key, stack_startup_s):
-                stack_processes = descendants() - engine_processes - server_processes
-                sides = engine_processes | server_processes | stack_processes
+            with (
+                running_stack(settings, free_port()) as (api_url, key, stack_startup_s),
+                _stock_stack(settings, args.stock) as stock,
+            ):
+                stock_processes = stock.processes if stock else set()
+                stack_processes = (
+                    descendants() - engine_processes - server_processes - stock_processes
+                )
+                sides = engine_processes | server_processes | stack_processes | stock_processes
                 everything = sides | {os.getpid()}
                 for index in range(repeat):
                     # Fresh prompts for every run: no run reuses another's cached prefixes.
@@ -137,7 +156,7 @@ def run_rounds(
                         rounds.engine.append(_measured(everything, partial(run_engine, run)))
                     with paused(sides - server_processes):
                         server = drive_vllm_server(
-                            server_url, settings.model_path, workload, run + 1
+                            server_url, settings.model_name, workload, run + 1
                         )
                         rounds.server.append(_measured(everything, partial(asyncio.run, server)))
                     with paused(sides - stack_processes):
@@ -149,7 +168,45 @@ def run_rounds(
                             api_url, key, workload, args.batch_size, run + 3, prefer_wait
                         )
                         rounds.batched.append(_measured(everything, partial(asyncio.run, batched)))
-    return rounds, Startup(startup_s, server_startup_s, stack_startup_s)
+                    if stock is not None:
+                        with paused(sides - stock_processes):
+                            for batch_size, runs in (
+                                (None, rounds.stock_single),
+                                (args.batch_size, rounds.stock_batched),
+                            ):
+                                drive = drive_pipeline(
+                                    stock.api_url, stock.key, workload, batch_size, run, prefer_wait
+                                )
+                                result = _measured(everything, partial(asyncio.run, drive))
+                                result.mode += " · stock Celery"
+                                runs.append(result)
+    stock_startup_s = stock.startup_s if stock is not None else 0.0
+    return rounds, Startup(startup_s, server_startup_s, stack_startup_s, stock_startup_s)
+
+
+@dataclass(frozen=True)
+class StockStack:
+    """The stack on stock Celery: where it answers, its key, processes and start-up time."""
+
+    api_url: str
+    key: str
+    processes: set[int]
+    startup_s: float
+
+
+@contextmanager
+def _stock_stack(settings: Settings, wanted: bool) -> Iterator[StockStack | None]:
+    """A second stack, on stock Celery, in a directory (and database) of its own; or None."""
+    from inferq.local import free_port
+
+    if not wanted:
+        yield None
+        return
+    before = descendants()
+    own = bench_settings(settings.data_dir / "stock", Path(settings.model_path))
+    env = {"INFERQ_CELERY_MODE": "stock"}
+    with running_stack(own, free_port(), env=env) as (api_url, key, startup_s):
+        yield StockStack(api_url, key, descendants() - before, startup_s)
 
 
 def _measured(pids: set[int], run: Callable[[], ModeResult]) -> ModeResult:
@@ -189,6 +246,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="inferq's client submits, then long-polls each job, instead of asking the "
         "submission itself to wait for the end (Prefer: wait=30)",
+    )
+    parser.add_argument(
+        "--stock",
+        action="store_true",
+        help="also run a stack on stock Celery (INFERQ_CELERY_MODE=stock) and drive it the "
+        "same two ways in every round",
     )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     parser.add_argument(
@@ -256,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "prefer_wait": not args.no_prefer_wait,
         "batch_size": args.batch_size,
+        "stock_celery_compared": args.stock,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = f"{workload.jobs}x{workload.max_tokens}"
@@ -287,9 +351,10 @@ def summarize(rounds: Rounds, startup: Startup) -> dict[str, Any]:
     engine.extra["startup_s"] = round(startup.engine, 2)
     server = median_run(rounds.server)
     server.extra["startup_s"] = round(startup.server, 2)
-    pipelines = [median_run(rounds.single), median_run(rounds.batched)]
+    pipelines = [median_run(runs) for runs in rounds.pipelines()]
     for result in pipelines:
-        result.extra["startup_s"] = round(startup.stack, 2)
+        stock = result.mode.endswith("stock Celery")
+        result.extra["startup_s"] = round(startup.stock_stack if stock else startup.stack, 2)
     results = [engine, server, *pipelines]
     print()
     print(format_table(results))
@@ -297,8 +362,10 @@ def summarize(rounds: Rounds, startup: Startup) -> dict[str, Any]:
         raise SystemExit("the engine alone finished no job; nothing to compare with")
     paired = {
         server.mode: rounds.paired_ratios(rounds.server),
-        pipelines[0].mode: rounds.paired_ratios(rounds.single),
-        pipelines[1].mode: rounds.paired_ratios(rounds.batched),
+        **{
+            result.mode: rounds.paired_ratios(runs)
+            for result, runs in zip(pipelines, rounds.pipelines(), strict=True)
+        },
     }
     ratios = {mode: statistics.median(values) for mode, values in paired.items()}
     added_ttft_ms = {
@@ -312,7 +379,7 @@ def summarize(rounds: Rounds, startup: Startup) -> dict[str, Any]:
             f"{THROUGHPUT_TARGET:.2f}; median of the rounds' {each})"
         )
     # inferq against vLLM's server, paired the same way.
-    for pipeline, runs in ((pipelines[0], rounds.single), (pipelines[1], rounds.batched)):
+    for pipeline, runs in zip(pipelines, rounds.pipelines(), strict=True):
         against = [
             mine.tokens_per_s / theirs.tokens_per_s
             for mine, theirs in zip(runs, rounds.server, strict=True)

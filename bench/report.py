@@ -240,10 +240,12 @@ def save_chart(modes: list[ModeResult], title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [m.mode for m in modes]
-    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52"][: len(modes)]
+    palette = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3"]
+    colors = [palette[i % len(palette)] for i in range(len(modes))]
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     bars = left.bar(labels, [m.tokens_per_s for m in modes], color=colors)
     left.bar_label(bars, fmt="%.0f")
+    plt.setp(left.get_xticklabels(), rotation=20, ha="right")
     left.set_ylabel("completion tokens / s")
     left.set_title("Throughput")
     width = 0.8 / len(modes)

@@ -1,18 +1,17 @@
 """Waiting for jobs to end: one subscription per API process, not one blocking read per wait.
 
 Long polls (`GET /v1/jobs/{id}?wait=N`), submissions under `Prefer: wait` and cancellations
-wait for jobs' final events. Each such wait used to block a Redis connection of its own in an
-XREAD on its job's final-event stream, so a thousand long polls held a thousand connections
-(and past the pool's size, waited for one). Now every final event is also published, as the
-bare job id, on one channel (`keys.FINAL_EVENTS_CHANNEL`), and `FinalEvents` keeps one
-subscription to it for the whole process; a wait is a future that the job's id resolves.
+wait for jobs' final events. A blocking XREAD on each job's final-event stream would hold a
+Redis connection per wait: a thousand long polls, a thousand connections (and past the pool's
+size, a wait for one). So every final event is also published, as the bare job id, on one
+channel (`keys.FINAL_EVENTS_CHANNEL`), and `FinalEvents` keeps one subscription to it for the
+whole process; a wait is a future that the job's id resolves.
 
 A wait may begin after its job has ended, so it first checks whether the job's final-event
 stream exists; the checks of the waits that begin together are one pipelined round trip. A
 final event published while the subscription is down (Redis restarting) is not lost either:
 after subscribing again, and every `SWEEP_S` while any wait is pending, the waiting jobs' streams
-are checked the same way. A worker that published before this channel existed is caught by
-those sweeps too.
+are checked the same way.
 """
 
 from __future__ import annotations

@@ -59,16 +59,6 @@ def test_redis_requires_a_password_and_is_not_published() -> None:
     assert "ports" not in redis
 
 
-def test_readme_configuration_table_lists_every_setting() -> None:
-    readme = (ROOT / "README.md").read_text()
-    missing = [
-        f"INFERQ_{name.upper()}"
-        for name in Settings.model_fields
-        if f"| `INFERQ_{name.upper()}` |" not in readme
-    ]
-    assert missing == []
-
-
 def _defined_metric_samples() -> set[str]:
     """Every sample name the code's metrics can expose (`_bucket`, `_total`, … included)."""
     from prometheus_client import REGISTRY

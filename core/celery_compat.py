@@ -114,14 +114,15 @@ def problems(names: tuple[PrivateName, ...] = PRIVATE_NAMES) -> list[str]:
     return found
 
 
-def check(mode: str, names: tuple[PrivateName, ...] = PRIVATE_NAMES) -> None:
+def check(mode: str, names: tuple[PrivateName, ...] | None = None) -> None:
     """Stop here, naming what changed, if inferq's mode of Celery cannot run on what is installed.
 
-    The stock mode uses only Celery's public API and runs on any version.
+    `names`: what to look for (default: `PRIVATE_NAMES`, looked up once per process). The stock
+    mode uses only Celery's public API and runs on any version.
     """
     if mode == "stock":
         return
-    found = _installed_problems() if names is PRIVATE_NAMES else problems(names)
+    found = _installed_problems() if names is None else problems(names)
     if found:
         raise UntestedCeleryError(
             "inferq's Celery adaptations cannot run on the installed Celery/kombu: "

@@ -50,12 +50,16 @@ from tests.support import (
 JOBS = 48
 """More than the worker's 32 slots: some jobs run and the rest wait in the queue."""
 TOKENS = 96
+LONG_TOKENS = 1000
+"""Long enough (standard's cap is 1024) that the first jobs still run when an outage begins."""
 OUTAGE_S = 4
 
 
-def _submit_many(stack: Stack, key: str, label: str, count: int) -> list[dict[str, Any]]:
+def _submit_many(
+    stack: Stack, key: str, label: str, count: int, tokens: int = TOKENS
+) -> list[dict[str, Any]]:
     return [
-        stack.submit(key, prompt=f"{label}, job {i}.", max_tokens=TOKENS, ignore_eos=True)
+        stack.submit(key, prompt=f"{label}, job {i}.", max_tokens=tokens, ignore_eos=True)
         for i in range(count)
     ]
 
@@ -98,7 +102,7 @@ def _assert_each_ended_once(stack: Stack, client: httpx.Client, jobs: list[dict[
     for job in jobs:
         done = wait_final(client, job["id"], timeout_s=300)
         assert done["status"] == "succeeded", done
-        assert done["usage"]["completion_tokens"] == TOKENS
+        assert done["usage"]["completion_tokens"] == job["sampling_params"]["max_tokens"]
         events = read_sse(client, job["id"])
         assert sum(event["type"] in FINAL_EVENTS for event in events) == 1, events[-3:]
         assert events[-1]["type"] == "done"
@@ -220,12 +224,13 @@ def test_database_outage_loses_nothing(own_stack: tuple[Stack, RedisServer]) -> 
     pids = {name: process.pid for name, process in stack.local.processes}
     with stack.client(key) as client:
         before = stack.worker_stats()["engine_requests"]
-        accepted = _submit_many(stack, key, "Before the outage", JOBS)
+        accepted = _submit_many(stack, key, "Before the outage", JOBS, LONG_TOKENS)
         _wait_running(stack, before)
         with _database_refusing_connections(stack.database_url):
             # Outlast a generation, so the worker has a result to store while the database
             # is out (no job can start meanwhile: starting one needs the database).
             running = stack.worker_stats()["in_flight"]
+            assert running > 0, "every job ended before the outage began"
             deadline = time.monotonic() + 120
             while stack.worker_stats()["in_flight"] >= running:
                 assert time.monotonic() < deadline, "no generation ended during the outage"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -100,12 +102,24 @@ def _threads(processes: list[tuple[str, Any]]) -> int:
         return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
 
 
-def _fill_worker(stack: Stack, key: str) -> list[dict[str, Any]]:
-    """Occupy every slot of the worker with long jobs (the caller cancels them)."""
-    return [
+@contextmanager
+def _worker_filled(stack: Stack, key: str) -> Iterator[list[dict[str, Any]]]:
+    """Occupy every slot of the worker with long jobs; they are cancelled on the way out.
+
+    The backlog a test then builds is there on purpose: the load earlier tests measured must
+    not decide whether admission control accepts it.
+    """
+    stack.forget_measured_load()
+    blockers = [
         _submit(stack, key, prompt=f"Blocker {i}", max_tokens=BLOCKER_TOKENS, ignore_eos=True)
         for i in range(WORKER_CONCURRENCY)
     ]
+    try:
+        yield blockers
+    finally:
+        # Also when the test failed: left running, they would hold the worker for the next tests.
+        with stack.client(key) as client:
+            _cancel_all(client, blockers)
 
 
 def _cancel_all(client: Any, jobs: list[dict[str, Any]]) -> None:
@@ -116,23 +130,22 @@ def _cancel_all(client: Any, jobs: list[dict[str, Any]]) -> None:
 def test_premium_job_overtakes_a_backlog_of_basic_jobs(stack: Stack) -> None:
     premium_key = stack.create_key(Tier.PREMIUM)
     basic_key = stack.create_key(Tier.BASIC)
-    blockers = _fill_worker(stack, premium_key)
-    with ThreadPoolExecutor(8) as pool:
-        basic = list(
-            pool.map(
-                lambda i: _submit(
-                    stack, basic_key, prompt=f"Basic {i}", max_tokens=32, ignore_eos=True
-                ),
-                range(50),
+    with _worker_filled(stack, premium_key) as blockers:
+        with ThreadPoolExecutor(8) as pool:
+            basic = list(
+                pool.map(
+                    lambda i: _submit(
+                        stack, basic_key, prompt=f"Basic {i}", max_tokens=32, ignore_eos=True
+                    ),
+                    range(50),
+                )
             )
-        )
-    premium = _submit(stack, premium_key, prompt="Premium", max_tokens=32, ignore_eos=True)
-
+        premium = _submit(stack, premium_key, prompt="Premium", max_tokens=32, ignore_eos=True)
+        with stack.client(premium_key) as client:
+            # The backlog is in place while the worker is still full: free its slots now.
+            statuses = {client.get(f"/v1/jobs/{job['id']}").json()["status"] for job in blockers}
+            assert statuses == {"running"}, "the blockers ended before the backlog was in place"
     with stack.client(premium_key) as client:
-        # The backlog is in place while the worker is still full: free its slots now.
-        statuses = {client.get(f"/v1/jobs/{job['id']}").json()["status"] for job in blockers}
-        assert statuses == {"running"}, "the blockers ended before the backlog was in place"
-        _cancel_all(client, blockers)
         premium_done = wait_final(client, premium["id"])
     with stack.client(basic_key) as client:
         basic_done = [wait_final(client, job["id"]) for job in basic]
@@ -149,15 +162,15 @@ def test_premium_job_overtakes_a_backlog_of_basic_jobs(stack: Stack) -> None:
 def test_cancelled_queued_job_never_reaches_the_engine(stack: Stack) -> None:
     key = stack.create_key(Tier.PREMIUM)
     before = stack.wait_idle()
-    blockers = _fill_worker(stack, key)
-    queued = _submit(stack, key, prompt="Never run me", max_tokens=16)
+    with _worker_filled(stack, key) as blockers:
+        queued = _submit(stack, key, prompt="Never run me", max_tokens=16)
+        with stack.client(key) as client:
+            cancelled = client.delete(f"/v1/jobs/{queued['id']}")
+            assert cancelled.status_code == 200, cancelled.text
+            assert cancelled.json()["status"] == "cancelled"
+    # Leaving frees the worker: cancelling running jobs aborts them in the engine.
+    after = stack.wait_idle()
     with stack.client(key) as client:
-        cancelled = client.delete(f"/v1/jobs/{queued['id']}")
-        assert cancelled.status_code == 200, cancelled.text
-        assert cancelled.json()["status"] == "cancelled"
-        # Free the worker: cancelling running jobs aborts them in the engine.
-        _cancel_all(client, blockers)
-        after = stack.wait_idle()
         final = wait_final(client, queued["id"])
         blockers_done = [wait_final(client, job["id"]) for job in blockers]
 
@@ -257,11 +270,10 @@ def test_health_and_readiness(stack: Stack) -> None:
 
 def test_deadlines_end_jobs_timed_out_queued_or_running(stack: Stack) -> None:
     key = stack.create_key(Tier.PREMIUM)
-    blockers = _fill_worker(stack, key)
-    waits_too_long = _submit(stack, key, prompt="Too late", max_tokens=8, timeout_s=0.2)
-    with stack.client(key) as client:
+    with _worker_filled(stack, key):
+        waits_too_long = _submit(stack, key, prompt="Too late", max_tokens=8, timeout_s=0.2)
         time.sleep(0.5)
-        _cancel_all(client, blockers)
+    with stack.client(key) as client:
         expired = wait_final(client, waits_too_long["id"])
         runs_too_long = _submit(
             stack, key, prompt="Too long", max_tokens=2000, ignore_eos=True, timeout_s=0.3

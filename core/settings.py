@@ -67,7 +67,8 @@ class Settings(BaseSettings):
     )
     lease_ttl_s: float = Field(
         default=30.0,
-        description="A worker's claim on a job lapses this long after its last renewal.",
+        description="A worker's claim on a job lapses this long after its last renewal (the "
+        "backstop: a dead worker is noticed sooner, when its name's 5 s claim lapses).",
     )
     api_redis_connections: int = Field(
         default=2000,

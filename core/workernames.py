@@ -5,6 +5,11 @@ of the jobs it runs; two processes with one name look like one node that keeps c
 worker claims its name before it goes by it: a key per name (`keys.worker_name_claim`) set only
 if absent, holding a token of this process, with a short TTL that a daemon thread renews while
 the process lives. A process that dies without releasing its name frees it within the TTL.
+
+The claim is also how a dead worker is noticed in seconds, whatever the job leases' length: a
+worker's lease tokens start with its claim's token (`lease_token`), so a lease whose maker no
+longer holds its name (`lease_holder` differs from the name's claim, or the claim is gone)
+belongs to a process that died or stalled past the TTL, and the scheduler hands its job on.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from core.errors import InferqError
 
 log = logging.getLogger(__name__)
 
-NAME_TTL_S = 10.0
-"""A name whose process stops renewing it is free again this long after the last renewal."""
+NAME_TTL_S = 5.0
+"""A name whose process stops renewing it is free again this long after the last renewal, and
+the jobs it runs are taken for lost (renewed every TTL/3 from a thread of its own)."""
 
 STARTING_TTL_S = 120.0
 """The claim's TTL until its worker has loaded the engine (`WorkerNameClaim.started`): loading
@@ -143,6 +149,17 @@ class WorkerNameClaim:
                     self.ttl_ms / 1000,
                 )
             held = renewed
+
+
+def lease_token(claim_token: str) -> str:
+    """A new job-lease token for the process whose name claim holds `claim_token`."""
+    return f"{claim_token}:{time.monotonic_ns()}"
+
+
+def lease_holder(lease: bytes | str) -> str:
+    """The claim token of the process that took a lease (see `lease_token`)."""
+    value = lease.decode() if isinstance(lease, bytes) else lease
+    return value.rsplit(":", 1)[0]
 
 
 def _process_token() -> str:

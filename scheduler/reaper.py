@@ -3,9 +3,11 @@
 Each tick:
 - ends every queued job whose queue deadline has passed (`timed_out`, `queue_timeout`), so an
   expired job never reaches an engine even when no worker is free to look at it;
-- finds running jobs whose worker lease has lapsed (the worker died or lost Redis for longer
-  than `lease_ttl_s`) and puts them back in their tier's queue for the next attempt — or, after
-  `max_attempts`, ends them `failed` with `worker_lost`;
+- finds running jobs whose worker is gone and puts them back in their tier's queue for the next
+  attempt — or, after `max_attempts`, ends them `failed` with `worker_lost`. A worker is gone
+  when its name's claim no longer holds the token its job leases were taken with (the process
+  died or stalled: the claim lapses `core.workernames.NAME_TTL_S` after its last renewal, a few
+  seconds), or, failing that, when a job's lease has lapsed (`lease_ttl_s`);
 - notices when Redis has lost its data (restarted without persistence, failed over to an empty
   replica, flushed) by the absence of a mark that never expires, and sends every queued job's
   message again: the database, not Redis, is the record of which jobs wait. A job whose message
@@ -35,8 +37,15 @@ from core.models import Job, as_utc, utcnow
 from core.queue.app import ENQUEUED_AT_HEADER, enqueue_job, enqueue_jobs
 from core.settings import Settings
 from core.states import JobStatus
+from core.workernames import lease_holder
 
 log = logging.getLogger(__name__)
+
+# KEYS[1]: a job's lease; ARGV[1]: the value it was read with. Deleted only if still that value.
+_DROP_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Scheduler:
         self.redis = client
         self.celery = celery
         self.publisher = EventPublisher(client, settings.job_key_ttl_s)
+        self._drop_lease = client.register_script(_DROP_LEASE)
 
     def tick(self) -> TickReport:
         """Do one round of periodic work."""
@@ -75,7 +85,7 @@ class Scheduler:
             self._publish(
                 job_id, "timed_out", status=JobStatus.TIMED_OUT.value, error_code="queue_timeout"
             )
-        self._reap(now - timedelta(seconds=self.settings.lease_ttl_s), report)
+        self._reap(now, report)
         return report
 
     def _resend_if_redis_lost_data(self) -> int:
@@ -100,16 +110,28 @@ class Scheduler:
         self.redis.set(keys.DATA_MARK, utcnow().isoformat())
         return len(queued)
 
-    def _reap(self, started_before: datetime, report: TickReport) -> None:
-        candidates = self.store.running(started_before)
+    def _reap(self, now: datetime, report: TickReport) -> None:
+        candidates = self.store.running(now)
         if not candidates:
             return
+        workers = sorted({job.worker for job in candidates if job.worker})
         pipe = self.redis.pipeline(transaction=False)
         for job in candidates:
-            pipe.exists(keys.job_lease(job.id))
-        leased = pipe.execute()
-        for job, lease in zip(candidates, leased, strict=True):
-            if lease:
+            pipe.get(keys.job_lease(job.id))
+        for worker in workers:
+            pipe.get(keys.worker_name_claim(worker))
+        replies = pipe.execute()
+        leases = replies[: len(candidates)]
+        claims = dict(zip(workers, replies[len(candidates) :], strict=True))
+        lapsed_before = now - timedelta(seconds=self.settings.lease_ttl_s)
+        for job, lease in zip(candidates, leases, strict=True):
+            if lease is None:
+                if job.started_at is not None and as_utc(job.started_at) >= lapsed_before:
+                    continue  # the worker may be about to record its end
+                how = "its lease lapsed"
+            elif self._holder_gone(job, lease, claims.get(job.worker or "")):
+                how = "its worker no longer holds its name"
+            else:
                 continue
             if job.attempt >= self.settings.max_attempts:
                 message = (
@@ -126,10 +148,11 @@ class Scheduler:
             elif self.store.requeue_attempt(job):
                 JOBS_REQUEUED.inc()
                 log.warning(
-                    "job %s: worker %s lost it in attempt %d; requeued",
+                    "job %s: worker %s lost it in attempt %d (%s); requeued",
                     job.id,
                     job.worker,
                     job.attempt,
+                    how,
                     extra=_job_fields(job),
                 )
                 report.requeued.append(job.id)
@@ -144,6 +167,13 @@ class Scheduler:
                 enqueue_job(
                     self.celery, job.id, job.tier, {ENQUEUED_AT_HEADER: f"{submitted_at:.6f}"}
                 )
+
+    def _holder_gone(self, job: Job, lease: bytes, claim: bytes | None) -> bool:
+        """Whether the process that took the job's lease no longer holds its worker name; if so,
+        the lease is deleted (unless it changed meanwhile), so the next worker can claim it."""
+        if job.worker is None or (claim is not None and lease_holder(lease) == claim.decode()):
+            return False
+        return bool(self._drop_lease(keys=[keys.job_lease(job.id)], args=[lease]))
 
     def _publish(self, job_id: str, event_type: str, **fields: Any) -> None:
         try:

@@ -163,6 +163,16 @@ class Stack:
         job: dict[str, Any] = response.json()
         return job
 
+    def forget_measured_load(self) -> None:
+        """Drop the rates admission control measured, as on a freshly started system.
+
+        A test about ordering builds a backlog on purpose; the starts and ends of earlier tests
+        on the same stack would otherwise decide whether that backlog is admitted.
+        """
+        for kind in ("started", "finished", "run-ms"):
+            for name in self.redis.scan_iter(match=f"{keys.PREFIX}:{kind}:*", count=1000):
+                self.redis.delete(name)
+
     def queue_lengths(self) -> dict[str, int]:
         """Jobs waiting in each tier: queued (shared or routed) plus held back for fair share."""
         return waiting_counts(self.redis)
@@ -318,13 +328,16 @@ class ExtraWorker:
             while self.name in live_workers(self.stack.redis):
                 time.sleep(0.5)
 
-    def kill(self) -> None:
+    def kill(self, *, free_name: bool = True) -> None:
+        """SIGKILL the worker and its engine; `free_name` also deletes its name's claim, so a
+        restart need not wait for it to lapse (and the scheduler sees the death at once)."""
         assert self.process is not None
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         # Its counters would linger until their TTL; drop them so `wait_ready` sees the restart.
-        # Its name's claim too, so a restart need not wait for the claim to lapse.
-        self.stack.redis.delete(keys.worker_stats(self.name), keys.worker_name_claim(self.name))
+        self.stack.redis.delete(keys.worker_stats(self.name))
+        if free_name:
+            self.stack.redis.delete(keys.worker_name_claim(self.name))
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

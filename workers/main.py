@@ -142,6 +142,7 @@ def run_worker(
         engine=engine,
         redis_client=client,
         worker_name=node_name,
+        claim_token=name_claim.token,
         deltas=deltas,
         reserve=TierReserve(
             settings.tiers,

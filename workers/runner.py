@@ -56,6 +56,7 @@ class JobRunner:
         engine: MergingEngine,
         redis_client: redis.Redis,
         worker_name: str,
+        claim_token: str,
         deltas: DeltaPublisher | None = None,
         reserve: TierReserve | None = None,
     ) -> None:
@@ -90,6 +91,7 @@ class JobRunner:
             engine=engine,
             redis_client=redis_client,
             worker_name=worker_name,
+            claim_token=claim_token,
             publisher=self.publisher,
             stats=self.stats,
             leases=self.leases,

@@ -29,6 +29,7 @@ from core.models import Job, as_utc
 from core.settings import Settings
 from core.states import JobStatus
 from core.tiers import Tier, engine_priority
+from core.workernames import lease_token
 from workers.generation import GenerationRequest, GenerationResult
 from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
@@ -107,6 +108,7 @@ class JobStarter:
         engine: MergingEngine,
         redis_client: redis.Redis,
         worker_name: str,
+        claim_token: str,
         publisher: EventPublisher,
         stats: WorkerStats,
         leases: Leases,
@@ -124,6 +126,7 @@ class JobStarter:
         self.engine = engine
         self.redis = redis_client
         self.worker_name = worker_name
+        self.claim_token = claim_token
         self.publisher = publisher
         self.stats = stats
         self.leases = leases
@@ -176,7 +179,9 @@ class JobStarter:
             log.warning("job %s is not in the database; dropping its message", job_id)
         live = [i for i in ids if i in jobs and not JobStatus(jobs[i].status).is_final]
         answers: dict[str, StartOutcome] = {}
-        tokens = {job_id: f"{self.worker_name}:{time.monotonic_ns()}" for job_id in live}
+        # Each lease names this process's claim on its worker name: the scheduler takes the job
+        # for lost as soon as the claim lapses, without waiting for the lease to (core.workernames).
+        tokens = {job_id: lease_token(self.claim_token) for job_id in live}
         stale = self._stale_leases.take(live)
         try:
             if stale:

@@ -40,8 +40,8 @@ TOKENS = 300
 class Victim(ExtraWorker):
     """The worker these tests kill."""
 
-    def __init__(self, stack: Stack) -> None:
-        super().__init__(stack, VICTIM)
+    def __init__(self, stack: Stack, env: dict[str, str] | None = None) -> None:
+        super().__init__(stack, VICTIM, env=env)
 
 
 @pytest.fixture
@@ -136,6 +136,32 @@ def test_sigkill_mid_generation_loses_and_duplicates_nothing(stack: Stack, victi
                     assert len(requeued) == 1
             victim.wait_ready()
     assert killed_jobs >= _trials(stack)
+
+
+def test_a_dead_workers_jobs_resume_within_seconds_whatever_its_lease(stack: Stack) -> None:
+    """Its leases last two minutes; its name's claim lapses within seconds of the kill, and
+    the scheduler hands its jobs to the survivor then, well inside the premium tier's default
+    limit of 30 s."""
+    key = stack.create_key(Tier.PREMIUM)
+    with Victim(stack, env={"INFERQ_LEASE_TTL_S": "120"}).running() as victim:
+        with survivor_paused(stack):
+            jobs = _run_on_victim(stack, key, "Long lease", TOKENS)
+            victim.kill(free_name=False)  # as a real death: nothing tidies up after it
+            killed_at = time.monotonic()
+            on_victim = _on_victim(stack, jobs)
+        assert on_victim, "every job ended before the kill"
+        deadline = killed_at + 60
+        while any(_workers_of(stack, on_victim)[job_id][2] < 2 for job_id in on_victim):
+            assert time.monotonic() < deadline, "the dead worker's jobs were not handed on"
+            time.sleep(0.05)
+        resumed_s = time.monotonic() - killed_at
+    print(f"\n{len(on_victim)} jobs resumed on the survivor {resumed_s:.1f} s after the kill")
+    assert resumed_s < 20, resumed_s  # the claim's 5 s TTL and a tick; the lease: 120 s
+    with stack.client(key) as client:
+        done = [wait_final(client, job_id, timeout_s=180) for job_id in on_victim]
+    assert [job["status"] for job in done] == ["succeeded"] * len(on_victim), done
+    assert all(job["attempt"] == 2 for job in done)
+    assert all(job["usage"]["completion_tokens"] == TOKENS for job in done)
 
 
 def test_a_cancelled_queued_job_never_runs_across_a_worker_restart(

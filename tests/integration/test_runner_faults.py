@@ -64,6 +64,7 @@ def parts(redis_url: str, tmp_path: Path) -> Iterator[Parts]:
         engine=merging,
         redis_client=client,
         worker_name="faults@inferq-test",
+        claim_token="faults-process",
     )
     yield Parts(runner, engine, store, client)
     client.close()

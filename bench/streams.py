@@ -112,6 +112,20 @@ async def _wait_final(session: aiohttp.ClientSession, job_id: str) -> dict[str, 
             return job
 
 
+async def _submit_batch(session: aiohttp.ClientSession, body: dict[str, Any]) -> Any:
+    """POST the batch; a 429 (admission control) is retried after its Retry-After, as a
+    client would."""
+    for _ in range(10):
+        async with session.post("/v1/jobs/batch", json=body) as response:
+            if response.status == 202:
+                return (await response.json())["data"]
+            if response.status != 429:
+                raise RuntimeError(f"POST /v1/jobs/batch answered {response.status}")
+            print(f"429, retrying: {(await response.json())['error']['message']}", flush=True)
+            await asyncio.sleep(float(response.headers.get("Retry-After", "1")))
+    raise RuntimeError("POST /v1/jobs/batch was refused ten times")
+
+
 async def run_mode(
     api_url: str, key: str, jobs: int, max_tokens: int, *, readers: bool
 ) -> StreamRun:
@@ -129,10 +143,7 @@ async def run_mode(
                 for i in range(jobs)
             ]
         }
-        async with session.post("/v1/jobs/batch", json=body) as response:
-            if response.status != 202:
-                raise RuntimeError(f"POST /v1/jobs/batch answered {response.status}")
-            submitted = (await response.json())["data"]
+        submitted = await _submit_batch(session, body)
         streams = (
             asyncio.gather(*(_read_stream(session, job["id"], run) for job in submitted))
             if readers

@@ -78,7 +78,9 @@ class Settings(BaseSettings):
     stream_interval_ms: int = Field(
         default=50,
         ge=0,
-        description="Shortest time between a worker's stream publishes; 0: every engine step.",
+        description="Longest time a worker holds a token stream's deltas to publish them "
+        "together: it publishes every engine step while it runs few jobs, and coalesces steps "
+        "up to this bound as it runs more; 0: every engine step, whatever the load.",
     )
     stream_tokens: int = Field(
         default=4,

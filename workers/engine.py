@@ -3,7 +3,10 @@
 The runner's starter thread calls `submit`, which schedules the generation on the loop and
 returns a future; vLLM batches every request in flight (continuous batching). The engine hands each
 request's text over every `stream_tokens` tokens; it is collected per engine step and handed to
-the delta sink once per step (at most once per `stream_interval_ms`), never once per token.
+the delta sink once per step, never once per token. How often adapts to load: steps go out at
+once while the engine runs few requests, and are coalesced as it runs more, so that a stream's
+events stay near `STREAM_EVENTS_PER_S` a second in all, however many jobs run; the gap between
+two hand-overs never exceeds `stream_interval_ms`.
 This is the only module that imports vLLM, and it is imported only after the worker has pinned
 its devices.
 """
@@ -26,6 +29,12 @@ from workers.devices import cpu_has_native_bf16, lower_engine_core_priority
 from workers.generation import Delta, DeltaSink, GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
+
+STREAM_EVENTS_PER_S = 1280
+"""What the worker's hand-overs aim at, in job deltas a second: each running request makes at
+most one delta per hand-over. Measured on 2 vCPUs, tiny model, 64 jobs x 256 tokens with an SSE
+reader each: a hand-over every step cost the run a third of its throughput, in the API relaying
+the events and the readers parsing them."""
 
 
 def engine_args(
@@ -208,7 +217,9 @@ class VllmEngine:
         if not self._step:
             # vLLM wakes every request of a step before a callback scheduled now runs, so a
             # flush sees the whole step; with a stream interval, it waits for later steps too.
-            delay = self._last_flush + self._stream_interval_s - delta.at
+            # Load-proportional: 8 requests, every 6 ms; 64 or more, the bound (50 ms).
+            interval = min(self._stream_interval_s, len(self._tasks) / STREAM_EVENTS_PER_S)
+            delay = self._last_flush + interval - delta.at
             if delay > 0:
                 self._loop.call_later(delay, self._flush_step)
             else:

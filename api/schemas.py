@@ -106,6 +106,11 @@ class Usage(BaseModel):
     prompt_tokens: int | None
     completion_tokens: int | None
     cached_prompt_tokens: int | None
+    resumed_tokens: int | None = Field(
+        default=None,
+        description="Of completion_tokens, those a lost run had streamed and the last run "
+        "continued, rather than made again; null: the text was made in one run.",
+    )
 
 
 class Timings(BaseModel):
@@ -164,6 +169,7 @@ class JobOut(BaseModel):
                 prompt_tokens=job.prompt_tokens,
                 completion_tokens=job.completion_tokens,
                 cached_prompt_tokens=job.cached_prompt_tokens,
+                resumed_tokens=job.resumed_tokens,
             ),
             timings=Timings(
                 queue_s=since_created(job.started_at),

@@ -1,10 +1,16 @@
-"""Token streams: generation throughput with and without live SSE readers, and stream latency.
+"""Token streams: generation throughput with and without live SSE readers, stream latency, and
+the same jobs streamed by vLLM's own server.
 
-Runs the same jobs twice on one local stack, side by side in one run: once watched by nobody
+Runs the same jobs on one local stack, side by side in one run: once watched by nobody
 (clients long-poll for the result), once with one live `GET /v1/jobs/{id}/events` reader per
-job. Stream latency is the time from the engine step that made a token (the delta's `at`) to
-the moment the SSE client has parsed the event carrying it; events made before their reader
-connected are replay, not latency, and are left out.
+job; then (unless `--no-vllm`) as streaming `/v1/completions` requests to vLLM's own server
+on the worker's engine arguments, all at once. Stream latency is the time from the engine step
+that made a token (the delta's `at`) to the moment the SSE client has parsed the event carrying
+it; events made before their reader connected are replay, not latency, and are left out.
+vLLM's server says nothing of when it made a token, so the measure both share is the client's:
+the gap between consecutive text-bearing events of one stream (the stutter a reader sees,
+vLLM's own "inter-token latency" for chunked streams), and the time from submission to the
+first text.
 
 Run: `.venv/bin/python bench/streams.py [--jobs 64 --max-tokens 256 --out bench/results]`.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import shutil
 import sys
@@ -51,6 +58,10 @@ class StreamRun:
     tokens: int = 0
     server_span_s: float = 0.0
     latency_s: list[float] = field(default_factory=list)
+    gaps_s: list[float] = field(default_factory=list)
+    """Between consecutive text-bearing events of one stream, at the client."""
+    first_text_s: list[float] = field(default_factory=list)
+    """From submission to the first text at the client, per stream."""
     events: int = 0
     deltas_match: bool = True
 
@@ -71,15 +82,26 @@ class StreamRun:
             "stream_events": self.events,
             "stream_latency_p50_ms": round(percentile(self.latency_s, 50) * 1000, 2),
             "stream_latency_p99_ms": round(percentile(self.latency_s, 99) * 1000, 2),
+            "chunk_gap_p50_ms": round(percentile(self.gaps_s, 50) * 1000, 2),
+            "chunk_gap_p99_ms": round(percentile(self.gaps_s, 99) * 1000, 2),
+            "first_text_p50_s": round(percentile(self.first_text_s, 50), 4),
             "streamed_text_equals_stored": self.deltas_match,
         }
 
 
+def _note_arrivals(run: StreamRun, submitted_at: float, arrivals: list[float]) -> None:
+    """Fold one stream's text arrival times into the run's client-side figures."""
+    if arrivals:
+        run.first_text_s.append(arrivals[0] - submitted_at)
+        run.gaps_s.extend(b - a for a, b in itertools.pairwise(arrivals))
+
+
 async def _read_stream(
-    session: aiohttp.ClientSession, job_id: str, run: StreamRun
+    session: aiohttp.ClientSession, job_id: str, run: StreamRun, submitted_at: float
 ) -> tuple[str, int]:
     """Follow one job's SSE stream to its final event; returns its text and token count."""
     connected_at = time.time()
+    arrivals: list[float] = []
     text: list[str] = []
     tokens = 0
     async with session.get(f"/v1/jobs/{job_id}/events") as response:
@@ -94,12 +116,16 @@ async def _read_stream(
                 data = ""
                 run.events += 1
                 if event["type"] == "delta":
+                    now = time.time()
                     if event["at"] >= connected_at:
-                        run.latency_s.append(time.time() - event["at"])
+                        run.latency_s.append(now - event["at"])
+                    if event["text"]:
+                        arrivals.append(now)
                     text.append(event["text"])
                     tokens += event["tokens"]
                 elif event["type"] in FINAL_EVENTS:
                     break
+    _note_arrivals(run, submitted_at, arrivals)
     return "".join(text), tokens
 
 
@@ -143,9 +169,12 @@ async def run_mode(
                 for i in range(jobs)
             ]
         }
+        submitted_at = time.time()
         submitted = await _submit_batch(session, body)
         streams = (
-            asyncio.gather(*(_read_stream(session, job["id"], run) for job in submitted))
+            asyncio.gather(
+                *(_read_stream(session, job["id"], run, submitted_at) for job in submitted)
+            )
             if readers
             else None
         )
@@ -165,6 +194,46 @@ async def run_mode(
     return run
 
 
+async def run_vllm(url: str, model: str, jobs: int, max_tokens: int) -> StreamRun:
+    """The same jobs as streaming completions on vLLM's own server, all sent at once."""
+    run = StreamRun("vLLM server, streamed", jobs)
+    connector = aiohttp.TCPConnector(limit=jobs + 8)
+    timeout = aiohttp.ClientTimeout(total=600)
+    ends: list[float] = []
+
+    async def one(session: aiohttp.ClientSession, index: int) -> None:
+        body = {
+            "model": model,
+            "prompt": f"Stream {index}.",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        arrivals: list[float] = []
+        async with session.post("/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                run.events += 1
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    arrivals.append(time.time())
+                if chunk.get("usage"):
+                    run.tokens += chunk["usage"]["completion_tokens"]
+                    run.succeeded += 1
+        ends.append(time.time())
+        _note_arrivals(run, started, arrivals)
+
+    async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=timeout) as session:
+        started = time.time()
+        await asyncio.gather(*(one(session, i) for i in range(jobs)))
+    run.server_span_s = max(ends) - started
+    return run
+
+
 def save_chart(runs: list[StreamRun], title: str, path: Path) -> None:
     """Throughput bars for both modes, and the CDF of stream latency."""
     import matplotlib
@@ -173,20 +242,20 @@ def save_chart(runs: list[StreamRun], title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
-    colors = ["#4c72b0", "#dd8452"]
+    colors = ["#4c72b0", "#dd8452", "#55a868"][: len(runs)]
     bars = left.bar([r.mode for r in runs], [r.tokens_per_s for r in runs], color=colors)
     left.bar_label(bars, fmt="%.0f")
     left.set_ylabel("completion tokens / s")
     left.set_title("Generation throughput")
     for run in runs:
-        if run.latency_s:
-            ordered = sorted(ms * 1000 for ms in run.latency_s)
+        if run.gaps_s:
+            ordered = sorted(s * 1000 for s in run.gaps_s)
             fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
             right.plot(ordered, fractions, label=run.mode)
     right.set_xscale("log")
-    right.set_xlabel("token made → received by the SSE client, ms")
-    right.set_ylabel("fraction of stream events")
-    right.set_title("Stream latency (CDF)")
+    right.set_xlabel("gap between a stream's text events at the client, ms")
+    right.set_ylabel("fraction of gaps")
+    right.set_title("Stream stutter (CDF)")
     right.legend()
     figure.suptitle(title)
     figure.tight_layout()
@@ -201,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the run on vLLM's own server")
     args = parser.parse_args(argv)
 
     from inferq.local import free_port
@@ -223,19 +293,39 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(run_mode(api_url, key, args.jobs, args.max_tokens, readers=False)),
             asyncio.run(run_mode(api_url, key, args.jobs, args.max_tokens, readers=True)),
         ]
+    if not args.no_vllm:
+        from vllm_server import vllm_server
+
+        with vllm_server(settings, free_port(), work_dir / "vllm-server.log") as (url, _pid):
+            asyncio.run(run_vllm(url, settings.model_name, 4, 8))  # warm-up
+            runs.append(asyncio.run(run_vllm(url, settings.model_name, args.jobs, args.max_tokens)))
     shutil.rmtree(work_dir, ignore_errors=True)
 
-    quiet, watched = runs
+    quiet, watched = runs[:2]
     ratio = watched.tokens_per_s / quiet.tokens_per_s if quiet.tokens_per_s else float("nan")
-    print(f"{'mode':<16}{'jobs':>6}{'tokens/s':>11}{'events':>8}{'lat p50 ms':>12}{'p99 ms':>9}")
+    print(
+        f"{'mode':<22}{'jobs':>5}{'tokens/s':>10}{'events':>8}{'first text p50 s':>17}"
+        f"{'gap p50 ms':>11}{'gap p99 ms':>11}{'step→client p50/p99 ms':>24}"
+    )
     for run in runs:
         summary = run.summary()
+        latency = (
+            f"{summary['stream_latency_p50_ms']:.1f} / {summary['stream_latency_p99_ms']:.1f}"
+            if run.latency_s
+            else "—"
+        )
         print(
-            f"{run.mode:<16}{run.succeeded:>6}{run.tokens_per_s:>11.1f}{run.events:>8}"
-            f"{summary['stream_latency_p50_ms']:>12.1f}{summary['stream_latency_p99_ms']:>9.1f}"
+            f"{run.mode:<22}{run.succeeded:>5}{run.tokens_per_s:>10.1f}{run.events:>8}"
+            f"{summary['first_text_p50_s']:>17.3f}{summary['chunk_gap_p50_ms']:>11.1f}"
+            f"{summary['chunk_gap_p99_ms']:>11.1f}{latency:>24}"
         )
     match = watched.deltas_match
     print(f"\nthroughput with readers / without = {ratio:.2f}; streamed == stored: {match}")
+    extra = {}
+    if len(runs) == 3:
+        gap_ratio = percentile(watched.gaps_s, 99) / percentile(runs[2].gaps_s, 99)
+        print(f"gap p99, inferq / vLLM's server = {gap_ratio:.2f}")
+        extra["chunk_gap_p99_inferq_over_vllm"] = round(gap_ratio, 4)
 
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = f"{args.jobs}x{args.max_tokens}"
@@ -253,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         {"jobs": args.jobs, "max_tokens": args.max_tokens, "ignore_eos": True},
         modes=[run.summary() for run in runs],
         throughput_ratio_with_readers=round(ratio, 4),
+        **extra,
     )
     return 0
 

@@ -3,8 +3,10 @@
 Each event is a JSON object with `seq` (1, 2, ...), `job_id` and `type`:
 
 - `status`: a state change (`status`; `attempt` when a run starts). A `running` event with a
-  higher `attempt` than before means an earlier run was lost: its deltas are void and the text
-  starts again from the deltas that follow.
+  higher `attempt` than before means an earlier run was lost. With `resumes_after` (an event
+  number), the new run continues the text of the deltas up to that event — its worker read
+  them and generates only the rest; without, the earlier deltas are void and the text starts
+  again (`streamed_text` folds a stream by this rule).
 - `delta`: the `text` made since the previous delta of the same `attempt`, its `tokens`, and
   `at`, when the engine made its first token (Unix time).
 - one final event — `done`, `error`, `cancelled` or `timed_out` — carrying `status`, `usage`
@@ -171,6 +173,36 @@ async def read_events(
         {keys.job_event_stream(job_id): stream_id(after_seq)}, block=block_ms, count=count
     )
     return [event for _, event in _entries(reply)]
+
+
+def streamed_text(events: Sequence[dict[str, Any]]) -> tuple[str, int]:
+    """The text, and its tokens, that these events of one job (in order) add up to for a reader.
+
+    Only deltas of the current run count, after the deltas of earlier runs that it resumes.
+    """
+    kept: list[dict[str, Any]] = []
+    attempt = 0
+    for event in events:
+        if event["type"] == "status" and event.get("status") == "running" and "attempt" in event:
+            if event["attempt"] != attempt:
+                after = event.get("resumes_after")
+                kept = [] if after is None else [d for d in kept if d["seq"] <= after]
+                attempt = event["attempt"]
+        elif event["type"] == "delta" and event["attempt"] == attempt:
+            kept.append(event)
+    return "".join(d["text"] for d in kept), sum(d["tokens"] for d in kept)
+
+
+def read_all_events(client: redis.Redis | redis.client.Pipeline, job_id: str) -> Any:
+    """Every event of the job's stream so far, oldest first (on a pipeline: queue the read,
+    and pass its reply to `parse_events`)."""
+    reply = client.xrange(keys.job_event_stream(job_id))
+    return reply if isinstance(client, redis.client.Pipeline) else parse_events(reply)
+
+
+def parse_events(xrange_reply: Any) -> list[dict[str, Any]]:
+    """The events of an XRANGE reply on a job's stream."""
+    return [event for _, event in _entries([(None, xrange_reply or [])])]
 
 
 def _entries(reply: Any) -> list[tuple[str, dict[str, Any]]]:

@@ -96,6 +96,7 @@ class JobOutcome:
     error_code: str | None = None
     error_message: str | None = None
     served_from: ServedFrom = ServedFrom.ENGINE
+    resumed_tokens: int | None = None
 
 
 _FINAL = [s.value for s in FINAL_STATES]
@@ -130,6 +131,7 @@ _FINISH_ATTEMPT = (
         error_code=bindparam("b_error_code"),
         error_message=bindparam("b_error_message"),
         served_from=bindparam("b_served_from"),
+        resumed_tokens=bindparam("b_resumed_tokens"),
     )
 )
 
@@ -285,16 +287,10 @@ class JobStore:
             )
             return [(job_id, tier, created_at) for job_id, tier, created_at in rows]
 
-    def running(self, started_before: datetime) -> list[Job]:
-        """Jobs running since before `started_before` (candidates for a lapsed lease)."""
+    def running(self) -> list[Job]:
+        """Every running job (the scheduler checks that each one's worker lives)."""
         with self.db.session() as session:
-            return list(
-                session.scalars(
-                    select(Job).where(
-                        Job.status == JobStatus.RUNNING.value, Job.started_at < started_before
-                    )
-                )
-            )
+            return list(session.scalars(select(Job).where(Job.status == JobStatus.RUNNING.value)))
 
     def requeue_attempt(self, job: Job) -> bool:
         """Put a job whose attempt was lost back in the queue; False if that attempt moved on.
@@ -374,6 +370,7 @@ class JobStore:
                 "b_error_code": outcome.error_code,
                 "b_error_message": outcome.error_message,
                 "b_served_from": outcome.served_from.value,
+                "b_resumed_tokens": outcome.resumed_tokens,
             },
         )
         return bool(result.rowcount)

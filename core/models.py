@@ -86,6 +86,8 @@ class Job(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     cached_prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    # Of `completion_tokens`, those a lost run streamed and the last run continued.
+    resumed_tokens: Mapped[int | None] = mapped_column(Integer)
     # Where the text came from (`ServedFrom`); the cache key names a deterministic request.
     served_from: Mapped[str | None] = mapped_column(String(10))
     cache_key: Mapped[str | None] = mapped_column(String(64))
@@ -186,5 +188,5 @@ class StoredFile(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-SCHEMA_REVISION = "0007"
+SCHEMA_REVISION = "0008"
 """The Alembic head this code expects; /readyz compares it with the database."""

@@ -111,7 +111,7 @@ class Scheduler:
         return len(queued)
 
     def _reap(self, now: datetime, report: TickReport) -> None:
-        candidates = self.store.running(now)
+        candidates = self.store.running()
         if not candidates:
             return
         workers = sorted({job.worker for job in candidates if job.worker})

@@ -24,6 +24,7 @@ import redis
 from core import keys
 from core.apikeys import KeyStore, Quota
 from core.db import Database
+from core.events import streamed_text as fold_stream
 from core.modelinfo import served_model_name
 from core.queue.routing import waiting_counts
 from core.tiers import TIERS_BY_PRIORITY, Tier
@@ -254,10 +255,8 @@ FINAL_EVENTS = ("done", "error", "cancelled", "timed_out")
 
 
 def streamed_text(events: list[dict[str, Any]]) -> str:
-    """The text the deltas of the job's last attempt add up to."""
-    attempts = [e["attempt"] for e in events if e["type"] == "status" and "attempt" in e]
-    last = max(attempts, default=0)
-    return "".join(e["text"] for e in events if e["type"] == "delta" and e["attempt"] == last)
+    """The text a reader of these events holds (`core.events.streamed_text`)."""
+    return fold_stream(events)[0]
 
 
 class ExtraWorker:

@@ -55,6 +55,8 @@ class GenerationResult:
     error_message: str | None = None
     merged: bool = False
     """Whether the text came from an identical job's engine request (see `workers.merging`)."""
+    resumed_tokens: int | None = None
+    """Tokens of the text that a lost run streamed and this one continued (`workers.resume`)."""
     chunks: list[str] = field(default_factory=list, repr=False)
 
 

@@ -139,7 +139,7 @@ class OutcomeRecorder:
 
     def _record_batch(self, batch: list[_Finished]) -> dict[str, JobStatus]:
         # Every delta goes out before the outcome is stored: a worker killed in between leaves
-        # either a running job (its next attempt streams anew) or a final one whose stream is
+        # either a running job (its next attempt continues it) or a final one whose stream is
         # whole, never a final job whose deltas stop short of its text.
         if self.before_final is not None:
             try:
@@ -194,6 +194,8 @@ class OutcomeRecorder:
         for item in written:
             outcome = item.outcome
             if item.cache_key is None or outcome.status is not JobStatus.SUCCEEDED:
+                continue
+            if outcome.resumed_tokens:  # two runs' text: not what one run would answer
                 continue
             cached = CachedResult(
                 outcome.text,
@@ -250,6 +252,7 @@ def _final_event(job_id: str, outcome: JobOutcome) -> Event:
             "usage": {
                 "prompt_tokens": outcome.prompt_tokens,
                 "completion_tokens": outcome.completion_tokens,
+                **({"resumed_tokens": outcome.resumed_tokens} if outcome.resumed_tokens else {}),
             },
         },
     )
@@ -267,4 +270,5 @@ def _outcome(result: GenerationResult) -> JobOutcome:
         error_code=result.error_code,
         error_message=result.error_message,
         served_from=ServedFrom.MERGED if result.merged else ServedFrom.ENGINE,
+        resumed_tokens=result.resumed_tokens,
     )

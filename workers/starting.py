@@ -16,12 +16,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import redis
 from sqlalchemy.exc import OperationalError
 
 from core import keys
-from core.events import EventPublisher
+from core.events import Event, EventPublisher
 from core.jobs import JobStore
 from core.logs import job_fields
 from core.metrics import JOBS_MERGED
@@ -36,6 +37,7 @@ from workers.merging import MergingEngine
 from workers.metrics import WorkerStats, observe_ended_unrun, observe_start
 from workers.outcomes import OutcomeRecorder
 from workers.reserve import TierReserve
+from workers.resume import Resume, joined_when_done, read_resumes
 from workers.streams import DeltaPublisher
 
 log = logging.getLogger(__name__)
@@ -205,16 +207,21 @@ class JobStarter:
             raise
         for job in started.values():
             observe_start(job.tier, job.created_at, job.started_at or job.created_at)
+        try:
+            resumes = read_resumes(self.redis, list(started.values()))
+        except redis.RedisError:  # what was streamed cannot be read: those runs start afresh
+            log.warning("could not read the streams of resumed jobs", exc_info=True)
+            resumes = {}
         for job_id in claimed:
             if job_id not in started:  # ended without the engine, or meanwhile
                 self._release_lease(job_id, tokens[job_id])
         # Announced before they are submitted, so a job's running event precedes its deltas.
-        self._announce_starts(list(started.values()))
+        self._announce_starts(list(started.values()), resumes)
         self._count_starts(list(started.values()))
         submitted = []
         for job in started.values():
             try:
-                generation = self._submit(job)
+                generation = self._submit(job, resumes.get(job.id))
             except Exception:  # not in the engine: its lease goes, and the reaper hands it on
                 log.exception("job %s: the engine did not take it", job.id)
                 self._running.end(job.id, _request_id(job))
@@ -252,11 +259,11 @@ class JobStarter:
             return JobStatus.TIMED_OUT
         return None
 
-    def _submit(self, job: Job) -> Future[GenerationResult]:
+    def _submit(self, job: Job, resume: Resume | None = None) -> Future[GenerationResult]:
         request = GenerationRequest(
             request_id=_request_id(job),
-            prompt=job.prompt,
-            sampling=dict(job.sampling_params),
+            prompt=job.prompt if resume is None else resume.prompt(job),
+            sampling=dict(job.sampling_params) if resume is None else resume.sampling(job),
             priority=engine_priority(self.settings.tier_policy(job.tier)),
             timeout_s=max(_remaining_s(job), 0.001),
             job_id=job.id,
@@ -276,23 +283,27 @@ class JobStarter:
             self._kv_held[request.request_id] = (Tier(job.tier), tokens)
             self.reserve.job_started(Tier(job.tier), tokens)
         log.info(
-            "job %s started: attempt %d, tier %s%s",
+            "job %s started: attempt %d, tier %s%s%s",
             job.id,
             job.attempt,
             job.tier,
             ", merged with an identical job" if merged else "",
+            f", continuing {resume.tokens} streamed tokens" if resume else "",
             extra=job_fields(job.id, job.tier, attempt=job.attempt),
         )
-        return generation
+        return generation if resume is None else joined_when_done(generation, job, resume)
 
-    def _announce_starts(self, jobs: list[Job]) -> None:
+    def _announce_starts(self, jobs: list[Job], resumes: dict[str, Resume]) -> None:
         """Queue the running events on the delta channel, ahead of any delta of these runs."""
         if not jobs:
             return
-        events = [
-            (job.id, "status", {"status": JobStatus.RUNNING.value, "attempt": job.attempt})
-            for job in jobs
-        ]
+        events: list[Event] = []
+        for job in jobs:
+            fields: dict[str, Any] = {"status": JobStatus.RUNNING.value, "attempt": job.attempt}
+            resume = resumes.get(job.id)
+            if resume is not None:
+                fields["resumes_after"] = resume.after_seq
+            events.append((job.id, "status", fields))
         if self.deltas is not None:
             self.deltas.publish_events(events)
             return

@@ -12,11 +12,13 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
 
+from core import keys
 from core.tiers import Tier
 from core.workerinfo import live_workers
 from tests.support import (
@@ -40,8 +42,10 @@ TOKENS = 300
 class Victim(ExtraWorker):
     """The worker these tests kill."""
 
-    def __init__(self, stack: Stack, env: dict[str, str] | None = None) -> None:
-        super().__init__(stack, VICTIM, env=env)
+    def __init__(
+        self, stack: Stack, env: dict[str, str] | None = None, concurrency: int = 8
+    ) -> None:
+        super().__init__(stack, VICTIM, concurrency, env)
 
 
 @pytest.fixture
@@ -162,6 +166,75 @@ def test_a_dead_workers_jobs_resume_within_seconds_whatever_its_lease(stack: Sta
     assert [job["status"] for job in done] == ["succeeded"] * len(on_victim), done
     assert all(job["attempt"] == 2 for job in done)
     assert all(job["usage"]["completion_tokens"] == TOKENS for job in done)
+
+
+def _until_streamed(stack: Stack, key: str, job_id: str, tokens: int) -> list[dict[str, Any]]:
+    """The job's events until its deltas carry `tokens` tokens, read as an SSE client does."""
+    seen = [0]
+
+    def enough(event: dict[str, Any]) -> bool:
+        seen[0] += event["tokens"] if event["type"] == "delta" else 0
+        return seen[0] >= tokens
+
+    with stack.client(key) as client:
+        return read_sse(client, job_id, until=enough)
+
+
+def test_streamed_jobs_continue_on_another_worker_from_what_was_streamed(stack: Stack) -> None:
+    """Readers of 20 jobs whose worker is killed keep one continuous text: the survivor
+    continues each from the text already streamed and generates only the rest."""
+    key = stack.create_key(Tier.PREMIUM)
+    # Long enough to be mid-generation once every reader has seen `shown` tokens: 20 readers
+    # parsing SSE on a busy 2-core host fall seconds behind the engine.
+    tokens, count, shown = 6000, 20, 200
+    with Victim(stack, concurrency=count).running() as victim, stack.client(key) as client:
+        with survivor_paused(stack), ThreadPoolExecutor(count) as pool:
+            # A reader follows each job before it starts, so its deltas go out live from the
+            # first (started while readers connect, the jobs would end before the last came).
+            with worker_paused(stack, VICTIM):
+                jobs = [
+                    stack.submit(
+                        key, prompt=f"Continue me, {i}.", max_tokens=tokens, ignore_eos=True
+                    )
+                    for i in range(count)
+                ]
+                readers = [
+                    pool.submit(_until_streamed, stack, key, job["id"], shown) for job in jobs
+                ]
+                deadline = time.monotonic() + 60
+                while not all(stack.redis.exists(keys.job_watched(job["id"])) for job in jobs):
+                    assert time.monotonic() < deadline, "the readers did not all connect"
+                    time.sleep(0.05)
+            seen = {j["id"]: r.result(timeout=120) for j, r in zip(jobs, readers, strict=True)}
+            victim.kill(free_name=False)
+            on_victim = _on_victim(stack, jobs)
+            prompt_tokens = {job["id"]: job["usage"]["prompt_tokens"] for job in jobs}
+        assert len(on_victim) >= count // 2, "most jobs ended before the kill"
+        kept = []
+        for job_id in on_victim:
+            done = wait_final(client, job_id, timeout_s=180)
+            events = read_sse(client, job_id)
+            assert done["status"] == "succeeded", done
+            assert done["attempt"] == 2
+            usage = done["usage"]
+            assert usage["completion_tokens"] == tokens
+            # The job's own prompt, not the one the survivor's engine was given.
+            assert usage["prompt_tokens"] == prompt_tokens[job_id]
+            # The survivor made only what had not been streamed.
+            resumed = usage["resumed_tokens"]
+            assert resumed is not None and shown <= resumed < tokens, usage
+            kept.append(resumed)
+            continued = [e for e in events if e["type"] == "delta" and e["attempt"] == 2]
+            assert sum(e["tokens"] for e in continued) == tokens - resumed
+            # One text: the stored one, which begins with what the reader saw before the kill;
+            # a reader that comes back with Last-Event-ID folds to the same.
+            text = streamed_text(events)
+            assert text == done["text"]
+            before = seen[job_id]
+            assert text.startswith(streamed_text(before))
+            rest = read_sse(client, job_id, last_event_id=before[-1]["seq"])
+            assert streamed_text(before + rest) == text
+    print(f"\n{len(kept)} jobs continued, {min(kept)} to {max(kept)} of {tokens} tokens kept")
 
 
 def test_a_cancelled_queued_job_never_runs_across_a_worker_restart(

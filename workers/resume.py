@@ -53,7 +53,7 @@ class Resume:
             text=self.text + result.text,
             completion_tokens=self.tokens + result.completion_tokens,
             # The engine counted the streamed text as prompt; the job's prompt is its own.
-            prompt_tokens=job.prompt_tokens if job.prompt_tokens is not None else None,
+            prompt_tokens=job.prompt_tokens,
             resumed_tokens=self.tokens,
         )
 

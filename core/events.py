@@ -193,15 +193,8 @@ def streamed_text(events: Sequence[dict[str, Any]]) -> tuple[str, int]:
     return "".join(d["text"] for d in kept), sum(d["tokens"] for d in kept)
 
 
-def read_all_events(client: redis.Redis | redis.client.Pipeline, job_id: str) -> Any:
-    """Every event of the job's stream so far, oldest first (on a pipeline: queue the read,
-    and pass its reply to `parse_events`)."""
-    reply = client.xrange(keys.job_event_stream(job_id))
-    return reply if isinstance(client, redis.client.Pipeline) else parse_events(reply)
-
-
 def parse_events(xrange_reply: Any) -> list[dict[str, Any]]:
-    """The events of an XRANGE reply on a job's stream."""
+    """The events of an XRANGE reply on a job's stream (`keys.job_event_stream`)."""
     return [event for _, event in _entries([(None, xrange_reply or [])])]
 
 

@@ -5,8 +5,8 @@ returns a future; vLLM batches every request in flight (continuous batching). Th
 request's text over every `stream_tokens` tokens; it is collected per engine step and handed to
 the delta sink once per step, never once per token. How often adapts to load: steps go out at
 once while the engine runs few requests, and are coalesced as it runs more, so that a stream's
-events stay near `STREAM_EVENTS_PER_S` a second in all, however many jobs run; the gap between
-two hand-overs never exceeds `stream_interval_ms`.
+events stay near `STREAM_EVENTS_PER_S` a second in all, however many jobs run; no delta waits
+longer than `stream_interval_ms`.
 This is the only module that imports vLLM, and it is imported only after the worker has pinned
 its devices.
 """

@@ -23,7 +23,8 @@ from typing import Any
 
 import redis
 
-from core.events import parse_events, read_all_events, streamed_text
+from core import keys
+from core.events import parse_events, streamed_text
 from core.models import Job
 from workers.generation import GenerationResult
 
@@ -68,7 +69,7 @@ def read_resumes(client: redis.Redis, jobs: list[Job]) -> dict[str, Resume]:
         return {}
     pipe = client.pipeline(transaction=False)
     for job in later:
-        read_all_events(pipe, job.id)
+        pipe.xrange(keys.job_event_stream(job.id))
     resumes = {}
     for job, reply in zip(later, pipe.execute(), strict=True):
         events = parse_events(reply)

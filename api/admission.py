@@ -30,7 +30,7 @@ import redis.exceptions
 
 from core import keys
 from core.errors import QueueFull, ServiceUnavailable
-from core.jobs import NewJob
+from core.new_jobs import NewJob
 from core.queue.routing import WAITING_SCRIPT, waiting_args
 from core.tiers import TIERS_BY_PRIORITY, Tier
 

@@ -7,9 +7,10 @@ import contextlib
 
 from starlette.concurrency import run_in_threadpool
 
-from core.jobs import JobStore, NewJob
+from core.jobs import JobStore
 from core.metrics import count_submitted
 from core.models import Job
+from core.new_jobs import NewJob
 from core.queue.dispatch import Dispatcher, queued
 
 RETRY_S = 1.0

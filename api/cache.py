@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -16,22 +17,25 @@ import redis.exceptions
 
 from api.services import Services
 from core import keys
-from core.jobs import NewJob
 from core.metrics import JOBS_CACHED, JOBS_FINISHED
 from core.models import Job
-from core.resultcache import CachedResult, request_key
+from core.new_jobs import NewJob
+from core.resultcache import CachedResult, is_deterministic, request_key
 from core.states import JobStatus
 
 log = logging.getLogger(__name__)
 
 
 def cache_key_for(
-    services: Services, prompt: str, sampling: dict[str, Any], use: bool
+    services: Services, prompt_digest: Callable[[], str], sampling: dict[str, Any], use: bool
 ) -> str | None:
-    """The job's result-cache key; None when the job is not deterministic or opted out."""
-    if not use or services.settings.result_cache_ttl_s <= 0:
+    """The job's result-cache key; None when the job is not deterministic or opted out.
+
+    `prompt_digest` gives the prompt's digest, called only when the job has a key.
+    """
+    if not use or services.settings.result_cache_ttl_s <= 0 or not is_deterministic(sampling):
         return None
-    return request_key(services.model.name, prompt, sampling)
+    return request_key(services.model.name, prompt_digest(), sampling)
 
 
 async def fill_from_cache(services: Services, batch: list[NewJob]) -> list[NewJob]:

@@ -20,6 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from api.openai.chat_prompt import render_chat
 from api.schemas import NO_NUL, JobCreate, Message
 from api.services import Services
 from api.submission import cancel_batch_jobs, submit_jobs
@@ -27,7 +28,9 @@ from core.apikeys import Principal
 from core.batches import BatchStore, new_batch_id
 from core.errors import ClientError, ContextLengthExceeded, InvalidRequest, NotFound
 from core.files import FileStore
+from core.modelinfo import ModelInfo
 from core.models import Batch, Job, as_utc, utcnow
+from core.prompts import CountedPrompts, count_prompts, count_with_head
 
 DEFAULT_TEMPLATE = "{document}\n\nQuestion: {question}\nAnswer:"
 DEFAULT_SYSTEM = "Answer the question using only the document. Reply in one short sentence."
@@ -35,6 +38,9 @@ PROMPTING_FIELDS = {"document", "document_file_id", "questions", "prompt_templat
 """What makes the prompts, as against how the answers are sampled."""
 MAX_QUESTIONS = 5000
 KIND = "qa"
+QUESTION_MARK = "\x00question\x00"
+"""Stands for the question where a batch's prompt is made once (a document holding it too
+fails the check in `QaBatchCreate.counted_prompts`)."""
 
 
 class QaBatchCreate(BaseModel):
@@ -102,11 +108,9 @@ class QaBatchCreate(BaseModel):
     def job(self, document: str, question: str) -> JobCreate:
         """The job that answers one question."""
         text = self.prompt(document, question)
-        messages = [Message(role="system", content=self.system)] if self.system else []
-        messages.append(Message(role="user", content=text))
         return JobCreate(
             prompt=text if self.raw else None,
-            messages=None if self.raw else messages,
+            messages=None if self.raw else self._messages(text),
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -115,6 +119,34 @@ class QaBatchCreate(BaseModel):
             timeout_s=self.timeout_s,
             cache=self.cache,
         )
+
+    def _messages(self, text: str) -> list[Message]:
+        messages = [Message(role="system", content=self.system)] if self.system else []
+        messages.append(Message(role="user", content=text))
+        return messages
+
+    def counted_prompts(self, model: ModelInfo, document: str) -> CountedPrompts:
+        """Every question's prompt, counted, the text before the questions stored once.
+
+        The prompt is made once around a placeholder question and each question put in its
+        place; a chat template that treats the text differently (checked on the first and
+        last questions) gets every prompt made whole.
+        """
+        head, _, tail = self._made(model, document, QUESTION_MARK).partition(QUESTION_MARK)
+        questions = self.questions
+        if QUESTION_MARK in tail or any(
+            head + questions[i] + tail != self._made(model, document, questions[i])
+            for i in {0, len(questions) - 1}
+        ):
+            made = [self._made(model, document, question) for question in questions]
+            return count_prompts(model, made)
+        return count_with_head(model, head, [question + tail for question in questions])
+
+    def _made(self, model: ModelInfo, document: str, question: str) -> str:
+        text = self.prompt(document, question)
+        if self.raw:
+            return text
+        return render_chat(model, [m.model_dump() for m in self._messages(text)])
 
 
 class Answer(BaseModel):
@@ -185,9 +217,13 @@ async def create_batch(services: Services, principal: Principal, body: QaBatchCr
         prompt_template=body.prompt_template,
         sampling_params=body.model_dump(exclude=PROMPTING_FIELDS),
     )
-    jobs = [body.job(document, question) for question in body.questions]
+    prompts = await run_in_threadpool(body.counted_prompts, services.model, document)
+    # Every question's job asks the same of the engine; its prompt is made above.
+    job = body.job(document, body.questions[0])
     try:
-        await submit_jobs(services, principal, jobs, batch_row=row)
+        await submit_jobs(
+            services, principal, [job] * len(body.questions), batch_row=row, prompts=prompts
+        )
     except ClientError as exc:
         # Said of `jobs[i]` by the job checks; the batch's caller sent a document and questions.
         index, _, message = exc.message.partition(": ")

@@ -92,12 +92,16 @@ class JobCreate(BaseModel):
         return {k: v for k, v in params.items() if v is not None}
 
 
+MAX_BATCH_JOBS = 5000
+"""The most jobs one `POST /v1/jobs/batch` takes (as many as a Q&A batch's questions)."""
+
+
 class JobBatchCreate(BaseModel):
     """Many jobs in one request: all are accepted, or none."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    jobs: list[JobCreate] = Field(min_length=1, max_length=1000)
+    jobs: list[JobCreate] = Field(min_length=1, max_length=MAX_BATCH_JOBS)
 
 
 class Usage(BaseModel):

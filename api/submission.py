@@ -6,7 +6,10 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, TypeVar
 
 from opentelemetry.trace import SpanKind
 from starlette.concurrency import run_in_threadpool
@@ -26,15 +29,19 @@ from core.errors import (
     NotFound,
     TierLimitExceeded,
 )
-from core.jobs import NewJob
 from core.metrics import JOBS_FINISHED, count_submitted
 from core.models import Batch, Job
+from core.new_jobs import NewJob
+from core.prompts import CountedPrompts, SharedPrefix, count_prompts, text_digest
 from core.queue.dispatch import queued
+from core.queue.routing import prefix_key
 from core.quotas import Admission
 from core.states import JobStatus
 from core.tracing import current_headers, tracer
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 INLINE_PROMPT_CHARS = 1024
 """A prompt up to this long is tokenized on the event loop (tens of µs); a longer one in a thread,
@@ -139,17 +146,19 @@ async def submit_jobs(
     *,
     batch_row: Batch | None = None,
     custom_ids: list[str] | None = None,
+    prompts: CountedPrompts | None = None,
 ) -> list[Job]:
     """Validate every job, store them all in one transaction, then enqueue them all.
 
     One bad job rejects the whole batch (its index in `param`), before anything is stored.
     With `batch_row`, the jobs belong to that batch (in order, with `custom_ids` if given) and
-    the row is stored in the same transaction.
+    the row is stored in the same transaction. `prompts`: the jobs' prompts, already made and
+    counted (by default each job's is made from its body; see `core.prompts` for the sharing).
     """
     with tracer().start_as_current_span("inferq.submit_batch", kind=SpanKind.PRODUCER) as span:
         span.set_attribute("inferq.jobs", len(bodies))
         headers = current_headers()
-        batch = await run_in_threadpool(_new_jobs, services, principal, bodies, headers)
+        batch = await run_in_threadpool(_new_jobs, services, principal, bodies, headers, prompts)
         if batch_row is not None:
             batch = [
                 replace(
@@ -170,17 +179,53 @@ async def submit_jobs(
 
 
 def _new_jobs(
-    services: Services, principal: Principal, bodies: list[JobCreate], headers: dict[str, str]
+    services: Services,
+    principal: Principal,
+    bodies: list[JobCreate],
+    headers: dict[str, str],
+    prompts: CountedPrompts | None,
 ) -> list[NewJob]:
+    if prompts is None:
+        rendered = [_indexed(index, prompt_of, services, body) for index, body in enumerate(bodies)]
+        prompts = count_prompts(services.model, rendered)
+    prefix = prompts.prefix
+    digest = hashlib.sha256(prefix.text.encode("utf-8", "surrogatepass")) if prefix else None
     batch = []
     for index, body in enumerate(bodies):
-        try:
-            batch.append(new_job(services, principal, body, None, headers))
-        except ClientError as exc:
-            exc.message = f"jobs[{index}]: {exc.message}"
-            exc.param = f"jobs[{index}].{exc.param}" if exc.param else f"jobs[{index}]"
-            raise
+        rest = prompts.rests[index]
+        if digest is None:
+            whole_digest = partial(text_digest, rest)
+        else:
+            whole_digest = partial(_digest_after, digest, rest)
+        batch.append(
+            _indexed(
+                index,
+                _job_of,
+                services,
+                principal,
+                body,
+                PromptParts(rest, prompts.tokens[index], prefix, whole_digest),
+                None,
+                headers,
+            )
+        )
     return batch
+
+
+def _indexed(index: int, make: Callable[..., T], *args: Any) -> T:
+    """`make(*args)`, a client error in it said of `jobs[index]`."""
+    try:
+        return make(*args)
+    except ClientError as exc:
+        exc.message = f"jobs[{index}]: {exc.message}"
+        exc.param = f"jobs[{index}].{exc.param}" if exc.param else f"jobs[{index}]"
+        raise
+
+
+def _digest_after(prefix: Any, rest: str) -> str:
+    digest = prefix.copy()
+    digest.update(rest.encode("utf-8", "surrogatepass"))
+    return str(digest.hexdigest())
 
 
 def _store_many(
@@ -188,11 +233,31 @@ def _store_many(
 ) -> list[Job]:
     jobs = services.jobs.create_many(batch, also)
     waiting = [job for job in jobs if job.served_from is None]
+    chars = services.settings.prefix_route_chars
+    routes = [prefix_key(new.prompt_start(chars), chars) for new in batch if new.cached is None]
     services.dispatcher.submit_or_defer(
-        queued(waiting, [headers] * len(waiting), route_chars=services.settings.prefix_route_chars)
+        queued(waiting, [headers] * len(waiting), routes=routes, route_chars=chars)
     )
     count_submitted(job.tier for job in jobs)
     return jobs
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    """A job's prompt as it will be stored: what follows `prefix` (if any), and its counts."""
+
+    rest: str
+    tokens: int
+    prefix: SharedPrefix | None
+    digest: Callable[[], str]
+    """The whole prompt's `text_digest` (computed only if asked for)."""
+
+
+def prompt_of(services: Services, body: JobCreate) -> str:
+    """The job's prompt: as given, or its messages rendered with the model's chat template."""
+    if body.prompt is not None:
+        return body.prompt
+    return render_chat(services.model, body.message_dicts())
 
 
 def new_job(
@@ -203,12 +268,23 @@ def new_job(
     trace_headers: dict[str, str] | None = None,
 ) -> NewJob:
     """The job to store for a request, after checking it against its tier and the model."""
+    prompt = prompt_of(services, body)
+    parts = PromptParts(
+        prompt, services.model.count_tokens(prompt), None, partial(text_digest, prompt)
+    )
+    return _job_of(services, principal, body, parts, idempotency_key, trace_headers)
+
+
+def _job_of(
+    services: Services,
+    principal: Principal,
+    body: JobCreate,
+    prompt: PromptParts,
+    idempotency_key: str | None,
+    trace_headers: dict[str, str] | None,
+) -> NewJob:
     max_tokens = check_against_tier(services, principal, body)
-    prompt = body.prompt
-    if prompt is None:
-        prompt = render_chat(services.model, body.message_dicts())
-    prompt_tokens = services.model.count_tokens(prompt)
-    check_context(services, prompt_tokens, max_tokens)
+    check_context(services, prompt.tokens, max_tokens)
     policy = services.settings.tier_policy(principal.tier)
     request_hash = None
     if idempotency_key is not None:
@@ -219,15 +295,16 @@ def new_job(
     return NewJob(
         owner=principal.owner,
         tier=principal.tier.value,
-        prompt=prompt,
+        prompt=prompt.rest,
+        prompt_prefix=prompt.prefix,
         model=services.model.name,
         sampling_params=sampling,
         timeout_s=timeout_s,
         queue_timeout_s=policy.queue_limit_s(timeout_s),
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=prompt.tokens,
         idempotency_key=idempotency_key,
         request_hash=request_hash,
-        cache_key=cache_key_for(services, prompt, sampling, body.cache),
+        cache_key=cache_key_for(services, prompt.digest, sampling, body.cache),
         trace_headers=trace_headers or {},
     )
 

@@ -2,84 +2,23 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, bindparam, func, or_, select, update
+from sqlalchemy import Table, and_, bindparam, func, insert, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from core.db import Database
 from core.errors import IdempotencyKeyReused
-from core.models import Base, Job, as_utc, utcnow
-from core.resultcache import CachedResult
+from core.models import Base, Job, PromptPrefix, as_utc, utcnow
+from core.new_jobs import NewJob
+from core.prompts import SharedPrefix
 from core.states import FINAL_STATES, JobStatus, ServedFrom
-
-
-def new_job_id() -> str:
-    """A fresh, unguessable job id."""
-    return f"job_{uuid.uuid4().hex}"
-
-
-@dataclass(frozen=True)
-class NewJob:
-    """What the API has validated and wants stored."""
-
-    owner: str
-    tier: str
-    prompt: str
-    sampling_params: dict[str, Any]
-    timeout_s: float
-    prompt_tokens: int
-    model: str | None = None
-    queue_timeout_s: float | None = None
-    idempotency_key: str | None = None
-    request_hash: str | None = None
-    cache_key: str | None = None
-    # A repeat answered from the result cache is stored already finished.
-    cached: CachedResult | None = None
-    # A job made for a batch (see `core.models.Batch`).
-    batch_id: str | None = None
-    batch_index: int | None = None
-    custom_id: str | None = None
-    id: str = field(default_factory=new_job_id)
-    # The submitting request's trace context, for the message (not stored).
-    trace_headers: dict[str, str] = field(default_factory=dict, compare=False)
-
-    def row(self, created_at: datetime) -> Job:
-        """The job's database row: queued, or succeeded if the cache answered it."""
-        job = Job(
-            id=self.id,
-            owner=self.owner,
-            tier=self.tier,
-            status=JobStatus.QUEUED.value,
-            prompt=self.prompt,
-            model=self.model,
-            sampling_params=self.sampling_params,
-            idempotency_key=self.idempotency_key,
-            request_hash=self.request_hash,
-            timeout_s=self.timeout_s,
-            prompt_tokens=self.prompt_tokens,
-            created_at=created_at,
-            queue_deadline_at=created_at
-            + timedelta(seconds=min(self.queue_timeout_s or self.timeout_s, self.timeout_s)),
-            attempt=0,
-            cache_key=self.cache_key,
-            batch_id=self.batch_id,
-            batch_index=self.batch_index,
-            custom_id=self.custom_id,
-        )
-        if self.cached is not None:
-            job.status = JobStatus.SUCCEEDED.value
-            job.served_from = ServedFrom.CACHE.value
-            job.output_text = self.cached.text
-            job.finish_reason = self.cached.finish_reason
-            job.completion_tokens = self.cached.completion_tokens
-            job.started_at = job.first_token_at = job.finished_at = created_at
-        return job
 
 
 @dataclass(frozen=True)
@@ -170,12 +109,25 @@ class JobStore:
         """
         now = utcnow()
         # A microsecond apart, so listings keep the batch's order.
-        jobs = [new.row(now + timedelta(microseconds=index)) for index, new in enumerate(batch)]
+        rows = [new.values(now + timedelta(microseconds=i)) for i, new in enumerate(batch)]
+        prefixes = {new.prompt_prefix.id: new.prompt_prefix for new in batch if new.prompt_prefix}
         with self.db.session() as session:
             session.add_all(also)
             session.flush()
-            session.add_all(jobs)
-        return jobs
+            if prefixes:
+                self._store_prefixes(session, list(prefixes.values()), now)
+            # A Core insert: the ORM's unit of work took most of the time of a large batch.
+            session.execute(insert(_JOBS), rows)
+        return [Job(**row) for row in rows]
+
+    @staticmethod
+    def _store_prefixes(session: Session, prefixes: list[SharedPrefix], now: datetime) -> None:
+        """Store the prefixes not stored yet (one named by its text's digest is that text)."""
+        insert = sqlite_insert if session.get_bind().dialect.name == "sqlite" else postgresql_insert
+        session.execute(
+            insert(PromptPrefix).on_conflict_do_nothing(index_elements=["id"]),
+            [{**prefix.row(), "created_at": now} for prefix in prefixes],
+        )
 
     def replay(self, new: NewJob) -> Job | None:
         """The job stored earlier under `new`'s idempotency key, if any (same body, or 409)."""

@@ -10,6 +10,7 @@ from sqlalchemy import (
     DateTime,
     Dialect,
     Float,
+    ForeignKey,
     Index,
     Integer,
     LargeBinary,
@@ -66,6 +67,7 @@ class Job(Base):
         Index("ix_jobs_status_queue_deadline", "status", "queue_deadline_at"),
         Index("ix_jobs_batch", "batch_id", "batch_index"),
         Index("ix_jobs_finished", "finished_at"),
+        Index("ix_jobs_prompt_prefix", "prompt_prefix_id"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -73,7 +75,12 @@ class Job(Base):
     tier: Mapped[str] = mapped_column(String(20))
     status: Mapped[str] = mapped_column(String(20), default=JobStatus.QUEUED.value)
 
+    # The prompt is `prompt_prefix_id`'s text (if any) followed by `prompt`: a batch's jobs store
+    # the text their prompts share (a Q&A batch's document) once (see `core.prompts`).
     prompt: Mapped[str] = mapped_column(Utf8Text)
+    prompt_prefix_id: Mapped[str | None] = mapped_column(
+        String(64), ForeignKey("prompt_prefixes.id")
+    )
     # The served name of the model the job was submitted to (null for jobs from before 0007).
     model: Mapped[str | None] = mapped_column(String(200))
     sampling_params: Mapped[dict[str, Any]] = mapped_column(JSON)
@@ -108,6 +115,18 @@ class Job(Base):
     batch_id: Mapped[str | None] = mapped_column(String(40))
     batch_index: Mapped[int | None] = mapped_column(Integer)
     custom_id: Mapped[str | None] = mapped_column(String(200))
+
+
+class PromptPrefix(Base):
+    """The text that begins the prompts of many jobs, stored once and named by its SHA-256."""
+
+    __tablename__ = "prompt_prefixes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    text: Mapped[str] = mapped_column(Utf8Text)
+    # Its tokens as the job's count begins with them (special tokens included).
+    tokens: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class ApiKey(Base):
@@ -188,5 +207,5 @@ class StoredFile(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-SCHEMA_REVISION = "0008"
+SCHEMA_REVISION = "0009"
 """The Alembic head this code expects; /readyz compares it with the database."""

@@ -19,11 +19,15 @@ def is_deterministic(sampling: dict[str, Any]) -> bool:
     return sampling.get("temperature", 1.0) == 0 or sampling.get("seed") is not None
 
 
-def request_key(model: str, prompt: str, sampling: dict[str, Any]) -> str | None:
-    """A digest naming the request's result, or None if the request is not deterministic."""
+def request_key(model: str, prompt_digest: str, sampling: dict[str, Any]) -> str | None:
+    """A digest naming the request's result, or None if the request is not deterministic.
+
+    `prompt_digest` is the prompt's `core.prompts.text_digest`: a batch that stores a shared
+    prefix hashes it once and each job's rest after it.
+    """
     if not is_deterministic(sampling):
         return None
-    canonical = json.dumps([model, prompt, sampling], sort_keys=True, ensure_ascii=False)
+    canonical = json.dumps([model, prompt_digest, sampling], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

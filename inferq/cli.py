@@ -189,9 +189,10 @@ def db_purge(days: float | None) -> None:
         click.echo("retention is off (INFERQ_RETENTION_DAYS=0): nothing purged")
         return
     report = purge_old(settings, Database(settings.sqlalchemy_url), days)
+    older_than = settings.retention_days if days is None else days
     click.echo(
-        f"deleted {report.jobs} jobs, {report.batches} batches and {report.files} files "
-        f"finished more than {settings.retention_days if days is None else days:g} days ago"
+        f"deleted {report.jobs} jobs, {report.batches} batches, {report.files} files and "
+        f"{report.prefixes} prompt prefixes finished more than {older_than:g} days ago"
     )
 
 

@@ -7,6 +7,8 @@ What goes, for a cutoff (now less `retention_days`):
   files inferq wrote for it. Its jobs never go one by one, so a batch never loses answers
   while it can still be read.
 
+- a stored prompt prefix (`core.prompts`), once no job's prompt begins with it.
+
 Files a user uploaded (`POST /v1/files`) stay until the user deletes them, as with OpenAI.
 Unfinished jobs and batches are never touched, however old. Rows go in chunks of
 `retention_chunk` per transaction, so a large purge never holds a long lock on the tables the
@@ -21,9 +23,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, exists, or_, select
+from sqlalchemy.exc import IntegrityError
 
 from core.db import Database
-from core.models import Batch, Job, StoredFile, utcnow
+from core.models import Batch, Job, PromptPrefix, StoredFile, utcnow
 from core.settings import Settings
 from core.states import FINAL_STATES
 
@@ -40,6 +43,7 @@ class PurgeReport:
     jobs: int = 0
     batches: int = 0
     files: int = 0
+    prefixes: int = 0
 
 
 def retention_cutoff(days: float, now: datetime | None = None) -> datetime:
@@ -59,7 +63,21 @@ class Retention:
         report = PurgeReport()
         self._purge_batches(cutoff, report)
         self._purge_jobs(cutoff, report)
+        if report.jobs:
+            self._purge_prefixes(report)
         return report
+
+    def _purge_prefixes(self, report: PurgeReport) -> None:
+        # A job stored meanwhile that begins with one of them keeps it: on PostgreSQL the
+        # foreign key fails this statement (the next purge tries again); SQLite has one writer.
+        unused = ~exists().where(Job.prompt_prefix_id == PromptPrefix.id)
+        try:
+            with self.db.session() as session:
+                deleted = session.execute(delete(PromptPrefix).where(unused))
+        except IntegrityError:
+            log.info("retention: a prompt prefix was taken up again; its purge waits a round")
+            return
+        report.prefixes += deleted.rowcount  # type: ignore[attr-defined]
 
     def _purge_jobs(self, cutoff: datetime, report: PurgeReport) -> None:
         query = (
@@ -132,10 +150,12 @@ def purge_old(settings: Settings, db: Database, days: float | None = None) -> Pu
     cutoff = retention_cutoff(days)
     report = Retention(db, settings.retention_chunk).purge(cutoff)
     log.info(
-        "retention: deleted %d jobs, %d batches and %d files finished before %s",
+        "retention: deleted %d jobs, %d batches, %d files and %d prompt prefixes finished "
+        "before %s",
         report.jobs,
         report.batches,
         report.files,
+        report.prefixes,
         cutoff.isoformat(timespec="seconds"),
     )
     return report

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
+from core.prompts import text_digest
 from core.resultcache import request_key
 from core.states import JobStatus
 from workers.generation import Delta, DeltaSink, Engine, GenerationRequest, GenerationResult
@@ -87,7 +88,9 @@ class MergingEngine:
 
     def submit_merging(self, request: GenerationRequest) -> tuple[Future[GenerationResult], bool]:
         """Like `submit`; also says whether the request joined one already in the engine."""
-        key = request_key("", request.prompt, request.sampling) if self.enabled else None
+        key = (
+            request_key("", text_digest(request.prompt), request.sampling) if self.enabled else None
+        )
         if key is None:  # not mergeable: straight to the engine
             return self._engine.submit(request), False
         future: Future[GenerationResult] = Future()

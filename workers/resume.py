@@ -37,9 +37,9 @@ class Resume:
     tokens: int
     after_seq: int
 
-    def prompt(self, job: Job) -> str:
-        """The engine's prompt: the job's, then the text already streamed."""
-        return job.prompt + self.text
+    def prompt(self, prompt: str) -> str:
+        """The engine's prompt: the job's (`prompt`), then the text already streamed."""
+        return prompt + self.text
 
     def sampling(self, job: Job) -> dict[str, Any]:
         """The job's sampling parameters for what is left to generate."""

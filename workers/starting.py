@@ -27,6 +27,7 @@ from core.jobs import JobStore
 from core.logs import job_fields
 from core.metrics import JOBS_MERGED
 from core.models import Job, as_utc
+from core.prompts import PrefixTexts
 from core.settings import Settings
 from core.states import JobStatus
 from core.tiers import Tier, engine_priority
@@ -140,6 +141,7 @@ class JobStarter:
         self._kv_held = kv_held
         self._cancel = cancel
         self._watch = watch
+        self._prefixes = PrefixTexts(store.db)
         self._to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._start_loop, name="inferq-starter", daemon=True)
         self._thread.start()
@@ -200,6 +202,7 @@ class JobStarter:
             raise
         try:
             started = self._start_claimed(jobs, claimed, answers)
+            prompts = self._prefixes.prompts(list(started.values()))
         except Exception:
             # Nothing started: free the leases, or a retry would find the jobs "running".
             for job_id in claimed:
@@ -221,7 +224,7 @@ class JobStarter:
         submitted = []
         for job in started.values():
             try:
-                generation = self._submit(job, resumes.get(job.id))
+                generation = self._submit(job, prompts[job.id], resumes.get(job.id))
             except Exception:  # not in the engine: its lease goes, and the reaper hands it on
                 log.exception("job %s: the engine did not take it", job.id)
                 self._running.end(job.id, _request_id(job))
@@ -259,10 +262,12 @@ class JobStarter:
             return JobStatus.TIMED_OUT
         return None
 
-    def _submit(self, job: Job, resume: Resume | None = None) -> Future[GenerationResult]:
+    def _submit(
+        self, job: Job, prompt: str, resume: Resume | None = None
+    ) -> Future[GenerationResult]:
         request = GenerationRequest(
             request_id=_request_id(job),
-            prompt=job.prompt if resume is None else resume.prompt(job),
+            prompt=prompt if resume is None else resume.prompt(prompt),
             sampling=dict(job.sampling_params) if resume is None else resume.sampling(job),
             priority=engine_priority(self.settings.tier_policy(job.tier)),
             timeout_s=max(_remaining_s(job), 0.001),

@@ -159,11 +159,16 @@ class QueuedJob:
 
 
 def queued(
-    jobs: list[Job], headers: list[dict[str, str]] | None = None, *, route_chars: int = 0
+    jobs: list[Job],
+    headers: list[dict[str, str]] | None = None,
+    *,
+    route_chars: int = 0,
+    routes: list[str | None] | None = None,
 ) -> list[QueuedJob]:
     """The stored jobs as dispatcher input (submission time: their `created_at`).
 
-    Prompts of at least `route_chars` characters get a prefix key (0: none do).
+    Prompts of at least `route_chars` characters get a prefix key (0: none do); `routes`
+    gives the keys instead, for jobs whose rows hold only part of their prompts.
     """
     return [
         QueuedJob(
@@ -172,7 +177,7 @@ def queued(
             job.owner,
             as_utc(job.created_at).timestamp(),
             headers[index] if headers else {},
-            prefix_key(job.prompt, route_chars),
+            routes[index] if routes is not None else prefix_key(job.prompt, route_chars),
         )
         for index, job in enumerate(jobs)
     ]

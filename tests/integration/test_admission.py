@@ -31,7 +31,7 @@ from api.admission import (
 from api.services import Services
 from core import keys
 from core.errors import QueueFull, ServiceUnavailable
-from core.jobs import NewJob
+from core.new_jobs import NewJob
 from core.tiers import Tier
 from tests.support import redis_server
 

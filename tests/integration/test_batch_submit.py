@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from api.schemas import MAX_BATCH_JOBS
 from core.tiers import Tier
 from tests.support import Stack, wait_final
 
@@ -30,7 +31,7 @@ def test_one_bad_job_rejects_the_whole_batch(stack: Stack) -> None:
         )
         wrong_type = client.post("/v1/jobs/batch", json={"jobs": [good, {"prompt": 3}]})
         empty = client.post("/v1/jobs/batch", json={"jobs": []})
-        too_many = client.post("/v1/jobs/batch", json={"jobs": [good] * 1001})
+        too_many = client.post("/v1/jobs/batch", json={"jobs": [good] * (MAX_BATCH_JOBS + 1)})
         listed = client.get("/v1/jobs").json()["data"]
     assert over_cap.status_code == 400
     assert over_cap.json()["error"]["code"] == "tier_limit_exceeded"

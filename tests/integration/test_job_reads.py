@@ -13,7 +13,8 @@ from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from api.job_reads import MAX_READ, JobReads
 from core.db import Database
-from core.jobs import JobStore, NewJob
+from core.jobs import JobStore
+from core.new_jobs import NewJob
 from migrations import upgrade
 from tests.support import postgres_database
 

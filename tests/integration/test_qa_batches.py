@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from sqlalchemy import func, select
 
+from api.qa_batches import DEFAULT_SYSTEM, DEFAULT_TEMPLATE
+from core.models import Job, PromptPrefix
 from core.tiers import Tier
-from tests.support import Stack
+from tests.support import Stack, wait_final
 
 ENDED = ("completed", "cancelled")
 
@@ -79,6 +82,50 @@ def test_a_document_with_100_questions_gets_every_answer_and_computes_the_docume
     assert table.headers["content-type"].startswith("text/csv")
     rows = list(csv.DictReader(io.StringIO(table.text)))
     assert [row["question"] for row in rows] == questions
+
+
+def test_5000_questions_store_the_document_once_and_run_on_the_whole_prompt(
+    stack: Stack,
+) -> None:
+    key = stack.create_key(Tier.STANDARD)
+    stack.forget_measured_load()  # judged as on a fresh system: earlier tests' rates refuse it
+    document = _document(300)  # about 12 KB
+    questions = [f"What does clause {i % 300} say? ({i})" for i in range(5000)]
+    with stack.client(key) as client:
+        started = time.monotonic()
+        big = _create(client, {"document": document, "questions": questions, "max_tokens": 2})
+        accepted_s = time.monotonic() - started
+        client.post(f"/v1/qa-batches/{big['id']}/cancel")
+        # A few questions against the same questions as single jobs: the worker must have put
+        # the stored document back in front of each (same answers, same prompt token counts).
+        small = _create(client, {"document": document, "questions": questions[:3], "max_tokens": 6})
+        answers = _wait_ended(client, small["id"])["answers"]
+        body = {"max_tokens": 6, "temperature": 0.0, "cache": False}
+        singles = [
+            wait_final(client, stack.submit(key, messages=_messages(document, q), **body)["id"])
+            for q in questions[:3]
+        ]
+    assert accepted_s < 20, accepted_s  # a generous bound; bench/submission.py measures it
+    assert [a["answer"] for a in answers] == [job["text"] for job in singles]
+    assert [a["prompt_tokens"] for a in answers] == [
+        job["usage"]["prompt_tokens"] for job in singles
+    ]
+    with stack.db.session() as session:
+        stored = session.execute(
+            select(
+                func.count(), func.max(func.length(Job.prompt)), func.min(Job.prompt_prefix_id)
+            ).where(Job.batch_id.in_([big["id"], small["id"]]))
+        ).one()
+        prefix = session.get(PromptPrefix, stored[2])
+    assert stored[0] == 5003
+    assert stored[1] < 200  # each job keeps its question, not the document
+    assert prefix is not None and document in prefix.text
+
+
+def _messages(document: str, question: str) -> list[dict[str, str]]:
+    """A Q&A batch's default messages for one question."""
+    user = DEFAULT_TEMPLATE.replace("{document}", document).replace("{question}", question)
+    return [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": user}]
 
 
 def test_a_document_too_long_for_the_model_is_refused_naming_the_limit(stack: Stack) -> None:

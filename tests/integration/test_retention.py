@@ -14,7 +14,8 @@ from sqlalchemy import select
 from core import keys
 from core.apikeys import Quota
 from core.files import new_stored_file
-from core.models import Batch, Job, StoredFile, utcnow
+from core.models import Batch, Job, PromptPrefix, StoredFile, utcnow
+from core.prompts import text_digest
 from core.tiers import Tier
 from scheduler.retention import Retention, retention_cutoff
 from tests.support import BLOCKER_TOKENS, Stack, read_sse, wait_final, worker_paused
@@ -149,6 +150,11 @@ def _job(
     )
 
 
+def _prefix(created: datetime) -> PromptPrefix:
+    text = f"A document of its own: {uuid.uuid4().hex}"
+    return PromptPrefix(id=text_digest(text), text=text, tokens=len(text), created_at=created)
+
+
 def _batch(
     owner: str, kind: str, status: str, created: datetime, finished: datetime | None
 ) -> Batch:
@@ -161,6 +167,16 @@ def _batch(
         created_at=created,
         finished_at=finished,
     )
+
+
+def _left(stack: Stack, owner: str, prefixes: list[str]) -> set[str]:
+    """The ids of the owner's jobs, batches and files, and of `prefixes`, still stored."""
+    with stack.db.session() as session:
+        left = set(session.scalars(select(Job.id).where(Job.owner == owner)))
+        left |= set(session.scalars(select(Batch.id).where(Batch.owner == owner)))
+        left |= set(session.scalars(select(StoredFile.id).where(StoredFile.owner == owner)))
+        left |= set(session.scalars(select(PromptPrefix.id).where(PromptPrefix.id.in_(prefixes))))
+    return left
 
 
 def test_retention_deletes_old_finished_jobs_and_batches_and_keeps_the_rest(
@@ -188,10 +204,11 @@ def test_retention_deletes_old_finished_jobs_and_batches_and_keeps_the_rest(
     add(_job(owner, "succeeded", old, recent_end), goes=False)  # old, but finished recently
     add(_job(owner, "succeeded", recent_end, recent_end), goes=False)
 
-    # A finished Q&A batch: it goes with all its jobs.
+    # A finished Q&A batch: it goes with all its jobs, and the document they stored once.
     qa = add(_batch(owner, "qa", "completed", old, old_end), goes=True)
+    document = add(_prefix(old), goes=True)
     for _ in range(5):
-        add(_job(owner, "succeeded", old, old_end, qa.id), goes=True)
+        add(_job(owner, "succeeded", old, old_end, qa.id), goes=True).prompt_prefix_id = document.id
     # A finished OpenAI batch: with its jobs and the files inferq wrote; the upload stays.
     upload = add(new_stored_file(owner, "batch", "in.jsonl", b"{}\n", old), goes=False)
     output = add(new_stored_file(owner, "batch_output", "out.jsonl", b"{}\n", old), goes=True)
@@ -206,25 +223,27 @@ def test_retention_deletes_old_finished_jobs_and_batches_and_keeps_the_rest(
         add(_job(owner, status, old, old_end, openai.id), goes=True)
     # Old batches that are not done with: one job still queued; one job finished recently.
     waiting = add(_batch(owner, "qa", "in_progress", old, None), goes=False)
+    still_read = add(_prefix(old), goes=False)
     add(_job(owner, "succeeded", old, old_end, waiting.id), goes=False)
-    add(_job(owner, "queued", old, None, waiting.id), goes=False)
+    add(_job(owner, "queued", old, None, waiting.id), goes=False).prompt_prefix_id = still_read.id
     late = add(_batch(owner, "qa", "in_progress", old, None), goes=False)
     add(_job(owner, "succeeded", old, old_end, late.id), goes=False)
     add(_job(owner, "cancelled", old, recent_end, late.id), goes=False)
 
     with stack.db.session() as session:
-        session.add_all(rows)
+        session.add_all([row for row in rows if isinstance(row, PromptPrefix)])
+        session.flush()  # before the jobs that name them
+        session.add_all([row for row in rows if not isinstance(row, PromptPrefix)])
 
     # Small chunks, so deleting takes several transactions.
     report = Retention(stack.db, chunk=2).purge(retention_cutoff(30))
 
-    with stack.db.session() as session:
-        left = set(session.scalars(select(Job.id).where(Job.owner == owner)))
-        left |= set(session.scalars(select(Batch.id).where(Batch.owner == owner)))
-        left |= set(session.scalars(select(StoredFile.id).where(StoredFile.owner == owner)))
+    prefixes = [document.id, still_read.id]
+    left = _left(stack, owner, prefixes)
     assert left == kept
     assert not left & gone
     assert report.jobs >= 11 and report.batches >= 2 and report.files >= 2
+    assert report.prefixes >= 1
 
     # `inferq db purge` does the same from the command line; nothing recent is touched.
     late_job = _job(owner, "succeeded", old, old_end)
@@ -238,10 +257,8 @@ def test_retention_deletes_old_finished_jobs_and_batches_and_keeps_the_rest(
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert re.search(r"deleted \d+ jobs, \d+ batches and \d+ files", result.stdout), result.stdout
+    deleted = r"deleted \d+ jobs, \d+ batches, \d+ files and \d+ prompt prefixes"
+    assert re.search(deleted, result.stdout), result.stdout
     with stack.db.session() as session:
         assert session.get(Job, late_job.id) is None
-        left = set(session.scalars(select(Job.id).where(Job.owner == owner)))
-        left |= set(session.scalars(select(Batch.id).where(Batch.owner == owner)))
-        left |= set(session.scalars(select(StoredFile.id).where(StoredFile.owner == owner)))
-    assert left == kept
+    assert _left(stack, owner, prefixes) == kept

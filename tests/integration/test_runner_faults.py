@@ -18,7 +18,8 @@ import redis
 
 from core import keys
 from core.db import Database
-from core.jobs import JobStore, NewJob
+from core.jobs import JobStore
+from core.new_jobs import NewJob
 from core.settings import Settings
 from core.states import JobStatus
 from migrations import upgrade

@@ -10,7 +10,8 @@ from websockets.sync.client import ClientConnection, connect
 
 from core import keys
 from core.events import EventPublisher
-from core.jobs import JobStore, NewJob
+from core.jobs import JobStore
+from core.new_jobs import NewJob
 from core.states import JobStatus
 from core.tiers import Tier
 from tests.support import (

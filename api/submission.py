@@ -232,14 +232,37 @@ def _store_many(
     services: Services, batch: list[NewJob], headers: dict[str, str], also: list[Batch]
 ) -> list[Job]:
     jobs = services.jobs.create_many(batch, also)
-    waiting = [job for job in jobs if job.served_from is None]
     chars = services.settings.prefix_route_chars
-    routes = [prefix_key(new.prompt_start(chars), chars) for new in batch if new.cached is None]
+    waiting = [
+        (job, prefix_key(new.prompt_start(chars), chars))
+        for job, new in zip(jobs, batch, strict=True)
+        if job.served_from is None
+    ]
+    waiting = _repeats_together(waiting)
     services.dispatcher.submit_or_defer(
-        queued(waiting, [headers] * len(waiting), routes=routes, route_chars=chars)
+        queued(
+            [job for job, _ in waiting],
+            [headers] * len(waiting),
+            routes=[route for _, route in waiting],
+            route_chars=chars,
+        )
     )
     count_submitted(job.tier for job in jobs)
     return jobs
+
+
+def _repeats_together(waiting: list[tuple[Job, str | None]]) -> list[tuple[Job, str | None]]:
+    """The batch in enqueue order: each repeat of a deterministic job right after its first.
+
+    Repeats then start while the first runs, and the worker merges them into its engine run
+    (`workers.merging`) instead of running the same request again once it has ended.
+    """
+    first: dict[str, int] = {}
+    place = [
+        first.setdefault(job.cache_key, index) if job.cache_key else index
+        for index, (job, _) in enumerate(waiting)
+    ]
+    return [waiting[index] for index in sorted(range(len(waiting)), key=place.__getitem__)]
 
 
 @dataclass(frozen=True)

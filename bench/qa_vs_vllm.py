@@ -1,18 +1,25 @@
-"""Document Q&A: inferq against vLLM's own OpenAI server, the same 200 questions, one run.
+"""Document Q&A: inferq against vLLM's own OpenAI server, side by side, in paired rounds.
+
+The workload: one document of about `--document-tokens` tokens and `--questions` questions
+about it, `--repeat-share` of them asking again a question asked earlier in the list (at a
+random later place, from a fixed seed), temperature 0, at most `--max-tokens` tokens each.
+Every round runs three ways in turn, each on a document of its own (so no run finds another's
+prefix or result in a cache):
 
 1. inferq (a local stack: own redis-server, SQLite, one CPU worker, the scheduler, the API):
-   one `POST /v1/qa-batches` with the document and `--questions` questions; wall time from the
-   POST to the last answer seen by the client, and each question's time to first token
-   (`timings.ttft_s`: submission to first token, on the server's clock).
-2. vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the same install and
-   model, on the worker's engine arguments): the same prompts as concurrent streaming
-   `/v1/completions` requests; wall time from the first request to the last answer, time to
-   first token = request sent to first text chunk received.
+   one `POST /v1/qa-batches` with every question; wall time from the POST to the client seeing
+   the batch completed; each question's time to first token (`timings.ttft_s`: submission to
+   first token, on the server's clock), and how many answers shared another's engine run.
+2. vLLM's OpenAI server with every question (`python -m vllm.entrypoints.openai.api_server`,
+   the same install and model, on the worker's engine arguments, prefix caching on): every
+   prompt as a concurrent streaming `/v1/completions` request; wall time from the first request
+   to the last answer; time to first token = request sent to first text chunk received.
+3. vLLM's server given only the distinct questions: what a careful client could do.
 
-Same prompts on both (inferq's default Q&A system prompt and template, rendered as inferq renders
-them: with the model's chat template, or its fallback for a model without one), same sampling:
-temperature 0, at most `--max-tokens` tokens.
-Run: `.venv/bin/python bench/qa_vs_vllm.py [--model tiny|real --questions 200 --max-tokens 32]`.
+Both systems stay up side by side for all rounds. Same prompts on both (inferq's default Q&A
+system prompt and template, rendered as inferq renders them), same sampling. Ratios are paired
+per round (inferq's wall time over each vLLM run's in the same round), then the median.
+Run: `.venv/bin/python bench/qa_vs_vllm.py [--model real|tiny --questions 500 --rounds 3]`.
 """
 
 from __future__ import annotations
@@ -20,10 +27,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -45,46 +55,35 @@ from vllm_server import vllm_server
 from api.openai.chat_prompt import render_chat
 from api.qa_batches import DEFAULT_SYSTEM, DEFAULT_TEMPLATE
 from core.modelinfo import ModelInfo, load_model_info
-from core.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = ("inferq", "vLLM, every question", "vLLM, distinct questions")
 
 
-def workload(questions: int) -> tuple[str, list[str]]:
-    """One document (about 3,000 characters) and the questions about it."""
-    document = " ".join(f"Clause {i}: the tenant pays rent on day {i % 28 + 1}." for i in range(70))
-    return document, [f"When is rent due under clause {i % 70}? ({i})" for i in range(questions)]
+def document_of(model: ModelInfo, tokens: int) -> str:
+    """A lease of about `tokens` tokens, with a name of its own."""
+    name = uuid.uuid4().hex[:8]
+    clauses: list[str] = []
+    while not clauses or model.count_tokens(" ".join(clauses)) < tokens:
+        i = len(clauses)
+        clauses.append(
+            f"Clause {i} of lease {name}: the tenant pays rent on day {i % 28 + 1}, "
+            f"keeps {i % 5 + 1} parking spaces and gives {i % 3 + 1} months' notice."
+        )
+    return " ".join(clauses)
 
 
-def run_inferq(
-    api_url: str, key: str, document: str, asked: list[str], tokens: int
-) -> dict[str, Any]:
-    """One Q&A batch; wall time and per-question TTFT."""
-    headers = {"Authorization": f"Bearer {key}"}
-    body = {"document": document, "questions": asked, "max_tokens": tokens, "temperature": 0}
-    with httpx.Client(base_url=api_url, headers=headers, timeout=120) as client:
-        started = time.perf_counter()
-        response = client.post("/v1/qa-batches", json=body)
-        if response.status_code != 202:
-            raise SystemExit(
-                f"POST /v1/qa-batches answered {response.status_code}: {response.text}"
-            )
-        batch_id = response.json()["id"]
-        while True:
-            batch = client.get(f"/v1/qa-batches/{batch_id}", params={"answers": "false"}).json()
-            if batch["status"] == "completed":
-                break
-            time.sleep(0.05)
-        wall_s = time.perf_counter() - started
-        answers = client.get(f"/v1/qa-batches/{batch_id}").json()["answers"]
-        ttfts = []
-        for answer in answers:
-            job = client.get(f"/v1/jobs/{answer['job_id']}").json()
-            if job["timings"]["ttft_s"] is not None:
-                ttfts.append(job["timings"]["ttft_s"])
-    succeeded = sum(a["status"] == "succeeded" for a in answers)
-    cached = sum(bool(a["cached_prompt_tokens"]) for a in answers)
-    return {"wall_s": wall_s, "ttft_s": ttfts, "succeeded": succeeded, "with_cached_prefix": cached}
+def questions_of(count: int, repeat_share: float, seed: int) -> list[str]:
+    """`count` questions, `repeat_share` of them repeating an earlier one at a later place."""
+    rng = random.Random(seed)
+    repeats = round(count * repeat_share)
+    asked = [
+        f"Question {i}: under clause {i % 40}, when is rent due?" for i in range(count - repeats)
+    ]
+    for _ in range(repeats):
+        original = rng.randrange(len(asked))
+        asked.insert(rng.randrange(original + 1, len(asked) + 1), asked[original])
+    return asked
 
 
 def prompt_of(model: ModelInfo, document: str, question: str) -> str:
@@ -92,6 +91,32 @@ def prompt_of(model: ModelInfo, document: str, question: str) -> str:
     text = DEFAULT_TEMPLATE.replace("{document}", document).replace("{question}", question)
     system, user = {"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": text}
     return render_chat(model, [system, user])
+
+
+def run_inferq(
+    client: httpx.Client, document: str, asked: list[str], tokens: int
+) -> dict[str, Any]:
+    """One Q&A batch; wall time, per-question TTFT, answers that shared an engine run."""
+    body = {"document": document, "questions": asked, "max_tokens": tokens, "temperature": 0}
+    started = time.perf_counter()
+    response = client.post("/v1/qa-batches", json=body)
+    if response.status_code != 202:
+        raise SystemExit(f"POST /v1/qa-batches answered {response.status_code}: {response.text}")
+    batch_id = response.json()["id"]
+    while True:
+        batch = client.get(f"/v1/qa-batches/{batch_id}", params={"answers": "false"}).json()
+        if batch["status"] == "completed":
+            break
+        time.sleep(0.05)
+    wall_s = time.perf_counter() - started
+    answers = client.get(f"/v1/qa-batches/{batch_id}").json()["answers"]
+    jobs = [client.get(f"/v1/jobs/{answer['job_id']}").json() for answer in answers]
+    return {
+        "wall_s": wall_s,
+        "ttft_s": [job["timings"]["ttft_s"] for job in jobs if job["timings"]["ttft_s"]],
+        "succeeded": sum(job["status"] == "succeeded" for job in jobs),
+        "shared_run": sum(job["served_from"] in ("merged", "cache") for job in jobs),
+    }
 
 
 async def _stream_one(
@@ -118,7 +143,7 @@ async def _stream_one(
 
 
 async def _drive_vllm(url: str, model: str, prompts: list[str], tokens: int) -> dict[str, Any]:
-    timeout = aiohttp.ClientTimeout(total=600)
+    timeout = aiohttp.ClientTimeout(total=1800)
     connector = aiohttp.TCPConnector(limit=len(prompts))
     async with aiohttp.ClientSession(url, timeout=timeout, connector=connector) as session:
         started = time.perf_counter()
@@ -130,49 +155,57 @@ async def _drive_vllm(url: str, model: str, prompts: list[str], tokens: int) -> 
     }
 
 
-def run_vllm_server(
-    settings: Settings, prompts: list[str], tokens: int, port: int, log: Path
-) -> dict[str, Any]:
-    """Start vLLM's OpenAI server as inferq's worker runs the engine, send every prompt at once,
-    stop it."""
-    with vllm_server(settings, port, log) as (url, _pid):
-        return asyncio.run(_drive_vllm(url, settings.model_name, prompts, tokens))
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A system's figures over the rounds: wall times, median, TTFT of every question."""
+    ttfts = [t for run in runs for t in run["ttft_s"]]
+    figures = {
+        "wall_s": [round(run["wall_s"], 3) for run in runs],
+        "wall_median_s": round(statistics.median(run["wall_s"] for run in runs), 3),
+        "ttft_p50_s": round(percentile(ttfts, 50), 3),
+        "ttft_p95_s": round(percentile(ttfts, 95), 3),
+        "succeeded": [run["succeeded"] for run in runs],
+    }
+    if "shared_run" in runs[0]:
+        figures["shared_run"] = [run["shared_run"] for run in runs]
+    return figures
 
 
-def save_chart(results: dict[str, dict[str, Any]], path: Path) -> None:
-    """Bars: wall time; TTFT p50 and p95; for both systems."""
+def save_chart(results: dict[str, Any], ratios: dict[str, list[float]], path: Path) -> None:
+    """Bars: median wall time per system; points: inferq's paired ratio per round."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    labels = list(results)
-    left.bar(labels, [r["wall_s"] for r in results.values()], color=["tab:green", "tab:gray"])
-    left.set_ylabel("seconds, first request to last answer")
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(
+        [label.replace(", ", "\n") for label in SYSTEMS],
+        [results[label]["wall_median_s"] for label in SYSTEMS],
+        color=["tab:green", "tab:gray", "tab:olive"],
+    )
+    left.set_ylabel("seconds, first request to last answer (median)")
     left.set_title("document Q&A: wall time")
-    width = 0.35
-    for offset, q in ((-width / 2, 50), (width / 2, 95)):
-        right.bar(
-            [i + offset for i in range(len(labels))],
-            [percentile(results[label]["ttft_s"], q) for label in labels],
-            width,
-            label=f"p{q}",
-        )
-    right.set_xticks(range(len(labels)), labels)
-    right.set_ylabel("time to first token (s)")
-    right.set_title("TTFT")
+    for label, values in ratios.items():
+        right.plot(range(1, len(values) + 1), values, marker="o", label=f"inferq / {label}")
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set_xlabel("round")
+    right.set_ylabel("wall-time ratio")
+    right.set_title("paired ratios (below 1: inferq faster)")
     right.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run both, print the table, save chart and JSON."""
+    """Run the rounds, print the table, save chart and JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
-    add_model_argument(parser)
-    parser.add_argument("--questions", type=int, default=200)
+    add_model_argument(parser, default="real")
+    parser.add_argument("--questions", type=int, default=500)
+    parser.add_argument("--repeat-share", type=float, default=0.3)
+    parser.add_argument("--document-tokens", type=int, default=1500)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
 
@@ -186,54 +219,72 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = bench_model(args.model)
     model = model_facts(model_dir)
     settings = bench_settings(work_dir, model_dir)
-    document, asked = workload(args.questions)
     info = load_model_info(settings.model_path, None)
-    prompts = [prompt_of(info, document, question) for question in asked]
+    asked = questions_of(args.questions, args.repeat_share, args.seed)
+    distinct = list(dict.fromkeys(asked))
     print(
         f"machine : {machine['cpu_count']} CPUs, {machine['cpu_model']}; {machine['vllm']}\n"
         f"{model_line(model)}\n"
-        f"workload: one document ({len(document)} chars) x {args.questions} questions, "
-        f"{args.max_tokens} tokens each, temperature 0\n",
+        f"workload: one document of ~{args.document_tokens} tokens x {len(asked)} questions "
+        f"({len(distinct)} distinct), {args.max_tokens} tokens each, temperature 0; "
+        f"{args.rounds} rounds\n",
         flush=True,
     )
-    results: dict[str, dict[str, Any]] = {}
-    with running_stack(settings, free_port(), {"INFERQ_RESULT_CACHE_TTL_S": "0"}) as (url, _, _):
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in SYSTEMS}
+    with (
+        running_stack(settings, free_port()) as (url, _, _),
+        vllm_server(settings, free_port(), work_dir / "vllm-server.log") as (vllm_url, _),
+    ):
         key = KeyStore(Database(settings.sqlalchemy_url)).create("bench", Tier.BASIC)[0]
-        results["inferq"] = run_inferq(url, key, document, asked, args.max_tokens)
-    print(f"inferq: {results['inferq']['wall_s']:.2f} s", flush=True)
-    results["vLLM server"] = run_vllm_server(
-        settings, prompts, args.max_tokens, free_port(), work_dir / "vllm-server.log"
-    )
-    print(f"vLLM server: {results['vLLM server']['wall_s']:.2f} s", flush=True)
+        headers = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
+            for round_ in range(1, args.rounds + 1):
+                document = document_of(info, args.document_tokens)
+                runs["inferq"].append(run_inferq(client, document, asked, args.max_tokens))
+                for label, questions in ((SYSTEMS[1], asked), (SYSTEMS[2], distinct)):
+                    document = document_of(info, args.document_tokens)
+                    prompts = [prompt_of(info, document, q) for q in questions]
+                    runs[label].append(
+                        asyncio.run(
+                            _drive_vllm(vllm_url, settings.model_name, prompts, args.max_tokens)
+                        )
+                    )
+                print(
+                    f"round {round_}: "
+                    + ", ".join(f"{label} {runs[label][-1]['wall_s']:.2f} s" for label in SYSTEMS),
+                    flush=True,
+                )
     shutil.rmtree(work_dir, ignore_errors=True)
 
-    ratio = results["inferq"]["wall_s"] / results["vLLM server"]["wall_s"]
-    print(f"\n{'system':<13}{'wall s':>8}{'TTFT p50 s':>12}{'TTFT p95 s':>12}{'answered':>10}")
+    results = {label: summary(runs[label]) for label in SYSTEMS}
+    ratios = {
+        label: [
+            round(mine["wall_s"] / theirs["wall_s"], 3)
+            for mine, theirs in zip(runs["inferq"], runs[label], strict=True)
+        ]
+        for label in SYSTEMS[1:]
+    }
+    print(f"\n{'system':<26}{'wall s (median)':>16}{'TTFT p50 s':>12}{'TTFT p95 s':>12}")
     for label, r in results.items():
         print(
-            f"{label:<13}{r['wall_s']:>8.2f}{percentile(r['ttft_s'], 50):>12.2f}"
-            f"{percentile(r['ttft_s'], 95):>12.2f}{r['succeeded']:>10}"
+            f"{label:<26}{r['wall_median_s']:>16.2f}{r['ttft_p50_s']:>12.2f}{r['ttft_p95_s']:>12.2f}"
         )
-    print(f"wall-time ratio inferq / vLLM server: {ratio:.2f}")
+    for label, values in ratios.items():
+        print(f"inferq / {label}: {statistics.median(values):.2f} (rounds: {values})")
+    print(f"answers that shared another's engine run: {results['inferq']['shared_run']}")
     args.out.mkdir(parents=True, exist_ok=True)
     chart = args.out / "qa_vs_vllm.png"
-    save_chart(results, chart)
+    save_chart(results, ratios, chart)
     write_report(
         args.out / "qa_vs_vllm.json",
         chart,
         machine,
         model,
-        vars(args) | {"out": str(args.out), "document_chars": len(document)},
-        results={
-            label: {
-                "wall_s": round(r["wall_s"], 3),
-                "ttft_p50_s": round(percentile(r["ttft_s"], 50), 3),
-                "ttft_p95_s": round(percentile(r["ttft_s"], 95), 3),
-                "succeeded": r["succeeded"],
-            }
-            for label, r in results.items()
-        }
-        | {"ratio_inferq_over_vllm": round(ratio, 3)},
+        vars(args) | {"out": str(args.out), "distinct_questions": len(distinct)},
+        results=results,
+        ratios={
+            label: {"rounds": v, "median": statistics.median(v)} for label, v in ratios.items()
+        },
     )
     return 0
 

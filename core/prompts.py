@@ -3,7 +3,7 @@
 A batch's prompts often begin with the same long text: a Q&A batch's document, a long system
 prompt. Such a batch stores that text once, as a `PromptPrefix` named by its SHA-256, and each
 job keeps only the rest (`jobs.prompt_prefix_id`, then `jobs.prompt`); whoever runs a job puts
-the two together again (`PrefixTexts`, which caches them: a name never changes its text).
+the two together again (`StoredPrefixes`, which caches them: a name never changes its text).
 
 Counting a batch's tokens tokenizes the shared text once and each rest on its own. The sum is
 the whole prompt's count only where no token spans the cut, so the cut is made a few tokens
@@ -104,40 +104,53 @@ def _count_each(model: ModelInfo, texts: Sequence[str], special: bool = True) ->
     return [len(encoding.ids) for encoding in encodings]
 
 
-class PrefixTexts:
-    """The texts of stored prefixes, read once per process (a prefix's name fixes its text)."""
+class StoredPrefixes:
+    """Stored prefixes as a worker reads them: each read once per process (a prefix's name fixes
+    its text), with its token count."""
 
     MAX_ENTRIES = 256
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self._texts: OrderedDict[str, str] = OrderedDict()
+        self._read: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def prompts(self, jobs: Sequence[Job]) -> dict[str, str]:
         """Each job's whole prompt, by job id."""
         wanted = {job.prompt_prefix_id for job in jobs if job.prompt_prefix_id is not None}
-        texts = self._texts_of(wanted)
+        read = self._read_all(wanted)
         return {
-            job.id: texts[job.prompt_prefix_id] + job.prompt if job.prompt_prefix_id else job.prompt
+            job.id: read[job.prompt_prefix_id][0] + job.prompt
+            if job.prompt_prefix_id
+            else job.prompt
             for job in jobs
         }
 
-    def _texts_of(self, ids: set[str]) -> dict[str, str]:
+    def shared(self, job: Job) -> tuple[str, int] | None:
+        """The job's prefix and its tokens, if it has one (read by `prompts` already)."""
+        if job.prompt_prefix_id is None:
+            return None
         with self._lock:
-            found = {i: self._texts[i] for i in ids if i in self._texts}
+            entry = self._read.get(job.prompt_prefix_id)
+        return None if entry is None else (job.prompt_prefix_id, entry[1])
+
+    def _read_all(self, ids: set[str]) -> dict[str, tuple[str, int]]:
+        with self._lock:
+            found = {i: self._read[i] for i in ids if i in self._read}
             for i in found:
-                self._texts.move_to_end(i)
+                self._read.move_to_end(i)
         missing = ids - found.keys()
         if missing:
             with self.db.session() as session:
                 rows = session.execute(
-                    select(PromptPrefix.id, PromptPrefix.text).where(PromptPrefix.id.in_(missing))
+                    select(PromptPrefix.id, PromptPrefix.text, PromptPrefix.tokens).where(
+                        PromptPrefix.id.in_(missing)
+                    )
                 )
-                read = {row.id: row.text for row in rows}
+                read = {row.id: (row.text, row.tokens) for row in rows}
             found.update(read)
             with self._lock:
-                self._texts.update(read)
-                while len(self._texts) > self.MAX_ENTRIES:
-                    self._texts.popitem(last=False)
+                self._read.update(read)
+                while len(self._read) > self.MAX_ENTRIES:
+                    self._read.popitem(last=False)
         return found

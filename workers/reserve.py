@@ -13,7 +13,9 @@ acknowledged (`taken`, `ended`), tagged with its job's tier (an aged job moved t
 queue counts as its own tier). A message taken before the worker's connection dropped counts
 until its job ends, like the jobs its engine still runs. KV cache is counted by job: the
 runner reports each job's tokens (prompt plus `max_tokens`, what it may come to hold) when it
-starts and when it ends. The token limit is checked against what is held when the worker
+starts and when it ends; a prefix that several jobs' prompts share (a document Q&A batch's
+document, `core.prompts`) counts once while any of them runs, as it sits once in vLLM's prefix
+cache. The token limit is checked against what is held when the worker
 polls, so one bulk take may pass it by a few jobs; the next poll makes up for it.
 """
 
@@ -40,6 +42,8 @@ class TierReserve:
         self._held = dict.fromkeys(TIERS_BY_PRIORITY, 0)
         self._tokens = dict.fromkeys(TIERS_BY_PRIORITY, 0)
         self._jobs = dict.fromkeys(TIERS_BY_PRIORITY, 0)
+        # A shared prefix held: the tier its tokens count to, the tokens, the jobs holding it.
+        self._prefixes: dict[str, tuple[Tier, int, int]] = {}
 
     def taken(self, tag: str, tier: Tier) -> None:
         """A message of `tier` was delivered to the worker.
@@ -64,15 +68,31 @@ class TierReserve:
             if deliveries > 1:
                 self._tags[tag] = (tier, deliveries - 1)
 
-    def job_started(self, tier: Tier, tokens: int) -> None:
-        """A job that may come to hold `tokens` of KV cache entered the engine."""
+    def job_started(self, tier: Tier, tokens: int, shared: tuple[str, int] | None = None) -> None:
+        """A job that may come to hold `tokens` of KV cache entered the engine; `shared`: the
+        prefix (id, tokens) its first tokens are, counted once however many jobs hold it."""
         with self._lock:
+            if shared is not None:
+                prefix, prefix_tokens = shared
+                counted_to, _, holders = self._prefixes.get(prefix, (tier, prefix_tokens, 0))
+                if not holders:
+                    self._tokens[counted_to] += prefix_tokens
+                self._prefixes[prefix] = (counted_to, prefix_tokens, holders + 1)
+                tokens -= prefix_tokens
             self._tokens[tier] += tokens
             self._jobs[tier] += 1
 
-    def job_ended(self, tier: Tier, tokens: int) -> None:
+    def job_ended(self, tier: Tier, tokens: int, shared: tuple[str, int] | None = None) -> None:
         """The job `job_started` counted left the engine."""
         with self._lock:
+            if shared is not None:
+                prefix, prefix_tokens = shared
+                counted_to, _, holders = self._prefixes.pop(prefix)
+                if holders > 1:
+                    self._prefixes[prefix] = (counted_to, prefix_tokens, holders - 1)
+                else:
+                    self._tokens[counted_to] -= prefix_tokens
+                tokens -= prefix_tokens
             self._tokens[tier] -= tokens
             self._jobs[tier] -= 1
 

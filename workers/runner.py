@@ -71,7 +71,7 @@ class JobRunner:
         self.deltas = deltas
         self.reserve = reserve
         # engine request id → the tier and KV tokens the reserve counts for it
-        self._kv_held: dict[str, tuple[Tier, int]] = {}
+        self._kv_held: dict[str, tuple[Tier, int, tuple[str, int] | None]] = {}
         self.outcomes = OutcomeRecorder(
             store,
             self.publisher,

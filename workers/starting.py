@@ -27,7 +27,7 @@ from core.jobs import JobStore
 from core.logs import job_fields
 from core.metrics import JOBS_MERGED
 from core.models import Job, as_utc
-from core.prompts import PrefixTexts
+from core.prompts import StoredPrefixes
 from core.settings import Settings
 from core.states import JobStatus
 from core.tiers import Tier, engine_priority
@@ -118,7 +118,7 @@ class JobStarter:
         outcomes: OutcomeRecorder,
         running: RunningJobs,
         stale_leases: StaleLeases,
-        kv_held: dict[str, tuple[Tier, int]],
+        kv_held: dict[str, tuple[Tier, int, tuple[str, int] | None]],
         cancel: Callable[[str], bool],
         watch: Callable[[str], None],
         deltas: DeltaPublisher | None = None,
@@ -141,7 +141,7 @@ class JobStarter:
         self._kv_held = kv_held
         self._cancel = cancel
         self._watch = watch
-        self._prefixes = PrefixTexts(store.db)
+        self._prefixes = StoredPrefixes(store.db)
         self._to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._start_loop, name="inferq-starter", daemon=True)
         self._thread.start()
@@ -285,8 +285,10 @@ class JobStarter:
             JOBS_MERGED.labels(job.tier).inc()
         elif self.reserve is not None:  # a merged job holds no KV cache of its own
             tokens = (job.prompt_tokens or 0) + int(request.sampling.get("max_tokens") or 0)
-            self._kv_held[request.request_id] = (Tier(job.tier), tokens)
-            self.reserve.job_started(Tier(job.tier), tokens)
+            # The prefix a batch's prompts share sits once in vLLM's prefix cache.
+            shared = self._prefixes.shared(job)
+            self._kv_held[request.request_id] = (Tier(job.tier), tokens, shared)
+            self.reserve.job_started(Tier(job.tier), tokens, shared)
         log.info(
             "job %s started: attempt %d, tier %s%s%s",
             job.id,

@@ -67,6 +67,22 @@ def test_lower_tiers_keep_within_their_share_of_the_kv_cache() -> None:
     assert reserve.left()[Tier.BASIC] == 1
 
 
+def test_a_prefix_that_jobs_share_counts_once_while_any_of_them_runs() -> None:
+    reserve = TierReserve(DEFAULT_TIER_POLICIES, slots=100, kv_tokens=10_000)
+    document = ("prefix-id", 1_500)
+    for _ in range(20):  # 1,500 shared + 20 x 100 own = 3,500 of basic's 7,000 tokens
+        reserve.job_started(Tier.BASIC, 1_600, document)
+    _fill(reserve, Tier.BASIC, 20)
+    assert reserve.left()[Tier.BASIC] == 20  # 3,500 tokens left, 175 per job held
+
+    for _ in range(19):
+        reserve.job_ended(Tier.BASIC, 1_600, document)
+    assert reserve.left()[Tier.BASIC] == 3  # one job, still holding the document: 1,600 tokens
+    reserve.job_ended(Tier.BASIC, 1_600, document)
+    reserve.job_started(Tier.BASIC, 1_000)
+    assert reserve.left()[Tier.BASIC] == 6  # the document's tokens went with its last job
+
+
 def test_the_tier_of_a_queue_is_read_from_its_name() -> None:
     assert keys.tier_of_queue(keys.queue_name(Tier.BASIC)) is Tier.BASIC
     assert keys.tier_of_queue(keys.worker_queue_name(Tier.PREMIUM, "cpu.2@host")) is Tier.PREMIUM

@@ -8,15 +8,20 @@ prefix or result in a cache):
 
 1. inferq (a local stack: own redis-server, SQLite, one CPU worker, the scheduler, the API):
    one `POST /v1/qa-batches` with every question; wall time from the POST to the client seeing
-   the batch completed; each question's time to first token (`timings.ttft_s`: submission to
-   first token, on the server's clock), and how many answers shared another's engine run.
+   the batch completed (it asks every 0.2 s); each question's time to first token
+   (`timings.ttft_s`: submission to first token, on the server's clock), and how many answers
+   shared another's engine run.
 2. vLLM's OpenAI server with every question (`python -m vllm.entrypoints.openai.api_server`,
    the same install and model, on the worker's engine arguments, prefix caching on): every
    prompt as a concurrent streaming `/v1/completions` request; wall time from the first request
    to the last answer; time to first token = request sent to first text chunk received.
 3. vLLM's server given only the distinct questions: what a careful client could do.
 
-Both systems stay up side by side for all rounds. Same prompts on both (inferq's default Q&A
+Both systems stay up side by side for all rounds, after a warm-up batch through each (a tenth
+of the questions, not counted); while one runs, the other's processes are
+stopped (SIGSTOP), so an idle engine's loop takes nothing from it. The CPU seconds of each
+system's processes are noted per role; those besides the engine core, per question, are its
+serving cost. Same prompts on both (inferq's default Q&A
 system prompt and template, rendered as inferq renders them), same sampling. Ratios are paired
 per round (inferq's wall time over each vLLM run's in the same round), then the median.
 Run: `.venv/bin/python bench/qa_vs_vllm.py [--model real|tiny --questions 500 --rounds 3]`.
@@ -43,9 +48,12 @@ from report import (
     add_model_argument,
     bench_model,
     bench_settings,
+    cpu_use,
+    descendants,
     machine_info,
     model_facts,
     model_line,
+    paused,
     percentile,
     running_stack,
     write_report,
@@ -58,6 +66,10 @@ from core.modelinfo import ModelInfo, load_model_info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("inferq", "vLLM, every question", "vLLM, distinct questions")
+ADMISSION_WINDOW_S = 65
+"""How long the API's admission control goes by the rates of past work (six 10-s buckets)."""
+POLL_S = 0.2
+"""How often the client asks whether the batch is complete (the CLI asks every second)."""
 
 
 def document_of(model: ModelInfo, tokens: int) -> str:
@@ -96,7 +108,7 @@ def prompt_of(model: ModelInfo, document: str, question: str) -> str:
 def run_inferq(
     client: httpx.Client, document: str, asked: list[str], tokens: int
 ) -> dict[str, Any]:
-    """One Q&A batch; wall time, per-question TTFT, answers that shared an engine run."""
+    """One Q&A batch, polled every `POLL_S` until complete; its id and wall time."""
     body = {"document": document, "questions": asked, "max_tokens": tokens, "temperature": 0}
     started = time.perf_counter()
     response = client.post("/v1/qa-batches", json=body)
@@ -107,12 +119,15 @@ def run_inferq(
         batch = client.get(f"/v1/qa-batches/{batch_id}", params={"answers": "false"}).json()
         if batch["status"] == "completed":
             break
-        time.sleep(0.05)
-    wall_s = time.perf_counter() - started
+        time.sleep(POLL_S)
+    return {"batch_id": batch_id, "wall_s": time.perf_counter() - started}
+
+
+def inferq_answers(client: httpx.Client, batch_id: str) -> dict[str, Any]:
+    """Per-question TTFT and how many answers shared another's engine run (read afterwards)."""
     answers = client.get(f"/v1/qa-batches/{batch_id}").json()["answers"]
     jobs = [client.get(f"/v1/jobs/{answer['job_id']}").json() for answer in answers]
     return {
-        "wall_s": wall_s,
         "ttft_s": [job["timings"]["ttft_s"] for job in jobs if job["timings"]["ttft_s"]],
         "succeeded": sum(job["status"] == "succeeded" for job in jobs),
         "shared_run": sum(job["served_from"] in ("merged", "cache") for job in jobs),
@@ -167,6 +182,11 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if "shared_run" in runs[0]:
         figures["shared_run"] = [run["shared_run"] for run in runs]
+    # CPU seconds of each process role, and those besides the engine core per question asked.
+    figures["cpu_s"] = [run["cpu_s"] for run in runs]
+    serving = [sum(s for role, s in run["cpu_s"].items() if role != "engine core") for run in runs]
+    asked = int(runs[0]["succeeded"])
+    figures["serving_cpu_ms_per_question"] = round(1000 * statistics.median(serving) / asked, 2)
     return figures
 
 
@@ -206,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--tier", default="basic", help="the API key's tier (basic: at most 70%% of a worker)"
+    )
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
 
@@ -227,33 +250,52 @@ def main(argv: list[str] | None = None) -> int:
         f"{model_line(model)}\n"
         f"workload: one document of ~{args.document_tokens} tokens x {len(asked)} questions "
         f"({len(distinct)} distinct), {args.max_tokens} tokens each, temperature 0; "
-        f"{args.rounds} rounds\n",
+        f"{args.rounds} rounds; inferq's key: {args.tier} tier\n",
         flush=True,
     )
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in SYSTEMS}
-    with (
-        running_stack(settings, free_port()) as (url, _, _),
-        vllm_server(settings, free_port(), work_dir / "vllm-server.log") as (vllm_url, _),
-    ):
-        key = KeyStore(Database(settings.sqlalchemy_url)).create("bench", Tier.BASIC)[0]
-        headers = {"Authorization": f"Bearer {key}"}
-        with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
-            for round_ in range(1, args.rounds + 1):
-                document = document_of(info, args.document_tokens)
-                runs["inferq"].append(run_inferq(client, document, asked, args.max_tokens))
-                for label, questions in ((SYSTEMS[1], asked), (SYSTEMS[2], distinct)):
+    before = descendants()
+    with running_stack(settings, free_port()) as (url, _, _):
+        stack_pids = descendants() - before
+        with vllm_server(settings, free_port(), work_dir / "vllm-server.log") as (vllm_url, _):
+            server_pids = descendants() - before - stack_pids
+            tier = Tier(args.tier)
+            key = KeyStore(Database(settings.sqlalchemy_url)).create("bench", tier)[0]
+            headers = {"Authorization": f"Bearer {key}"}
+            with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
+                # A warm-up through both, not counted: each engine's first batches of a size
+                # compile kernels.
+                warm = asked[: max(len(asked) // 10, 1)]
+                run_inferq(client, document_of(info, args.document_tokens), warm, args.max_tokens)
+                prompts = [
+                    prompt_of(info, document_of(info, args.document_tokens), q) for q in warm
+                ]
+                asyncio.run(_drive_vllm(vllm_url, settings.model_name, prompts, args.max_tokens))
+                # Until the warm-up leaves admission's window, a batch is judged by its rate: a
+                # small batch's, which measures the demand, refuses a large one as too slow.
+                time.sleep(ADMISSION_WINDOW_S)
+                for round_ in range(1, args.rounds + 1):
                     document = document_of(info, args.document_tokens)
-                    prompts = [prompt_of(info, document, q) for q in questions]
-                    runs[label].append(
-                        asyncio.run(
-                            _drive_vllm(vllm_url, settings.model_name, prompts, args.max_tokens)
-                        )
+                    # Each system has the machine to itself: the other's processes are stopped.
+                    with paused(server_pids), cpu_use(stack_pids) as used:
+                        run = run_inferq(client, document, asked, args.max_tokens)
+                    answers = inferq_answers(client, run["batch_id"])
+                    runs["inferq"].append(run | answers | {"cpu_s": used})
+                    for label, questions in ((SYSTEMS[1], asked), (SYSTEMS[2], distinct)):
+                        document = document_of(info, args.document_tokens)
+                        prompts = [prompt_of(info, document, q) for q in questions]
+                        with paused(stack_pids), cpu_use(server_pids) as used:
+                            run = asyncio.run(
+                                _drive_vllm(vllm_url, settings.model_name, prompts, args.max_tokens)
+                            )
+                        runs[label].append(run | {"cpu_s": used})
+                    print(
+                        f"round {round_}: "
+                        + ", ".join(
+                            f"{label} {runs[label][-1]['wall_s']:.2f} s" for label in SYSTEMS
+                        ),
+                        flush=True,
                     )
-                print(
-                    f"round {round_}: "
-                    + ", ".join(f"{label} {runs[label][-1]['wall_s']:.2f} s" for label in SYSTEMS),
-                    flush=True,
-                )
     shutil.rmtree(work_dir, ignore_errors=True)
 
     results = {label: summary(runs[label]) for label in SYSTEMS}
@@ -264,10 +306,14 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for label in SYSTEMS[1:]
     }
-    print(f"\n{'system':<26}{'wall s (median)':>16}{'TTFT p50 s':>12}{'TTFT p95 s':>12}")
+    print(
+        f"\n{'system':<26}{'wall s (median)':>16}{'TTFT p50 s':>12}{'TTFT p95 s':>12}"
+        f"{'serving CPU ms/question':>25}"
+    )
     for label, r in results.items():
         print(
             f"{label:<26}{r['wall_median_s']:>16.2f}{r['ttft_p50_s']:>12.2f}{r['ttft_p95_s']:>12.2f}"
+            f"{r['serving_cpu_ms_per_question']:>25.2f}"
         )
     for label, values in ratios.items():
         print(f"inferq / {label}: {statistics.median(values):.2f} (rounds: {values})")

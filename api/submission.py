@@ -32,7 +32,13 @@ from core.errors import (
 from core.metrics import JOBS_FINISHED, count_submitted
 from core.models import Batch, Job
 from core.new_jobs import NewJob
-from core.prompts import CountedPrompts, SharedPrefix, count_prompts, text_digest
+from core.prompts import (
+    CountedPrompts,
+    SharedPrefix,
+    count_prompts,
+    text_digest,
+    whole_digests,
+)
 from core.queue.dispatch import queued
 from core.queue.routing import prefix_key
 from core.quotas import Admission
@@ -188,28 +194,22 @@ def _new_jobs(
     if prompts is None:
         rendered = [_indexed(index, prompt_of, services, body) for index, body in enumerate(bodies)]
         prompts = count_prompts(services.model, rendered)
-    prefix = prompts.prefix
-    digest = hashlib.sha256(prefix.text.encode("utf-8", "surrogatepass")) if prefix else None
-    batch = []
-    for index, body in enumerate(bodies):
-        rest = prompts.rests[index]
-        if digest is None:
-            whole_digest = partial(text_digest, rest)
-        else:
-            whole_digest = partial(_digest_after, digest, rest)
-        batch.append(
-            _indexed(
-                index,
-                _job_of,
-                services,
-                principal,
-                body,
-                PromptParts(rest, prompts.tokens[index], prefix, whole_digest),
-                None,
-                headers,
-            )
+    digests = whole_digests(prompts)
+    return [
+        _indexed(
+            index,
+            _job_of,
+            services,
+            principal,
+            body,
+            PromptParts(
+                prompts.rests[index], prompts.tokens[index], prompts.prefix, digests[index]
+            ),
+            None,
+            headers,
         )
-    return batch
+        for index, body in enumerate(bodies)
+    ]
 
 
 def _indexed(index: int, make: Callable[..., T], *args: Any) -> T:
@@ -220,12 +220,6 @@ def _indexed(index: int, make: Callable[..., T], *args: Any) -> T:
         exc.message = f"jobs[{index}]: {exc.message}"
         exc.param = f"jobs[{index}].{exc.param}" if exc.param else f"jobs[{index}]"
         raise
-
-
-def _digest_after(prefix: Any, rest: str) -> str:
-    digest = prefix.copy()
-    digest.update(rest.encode("utf-8", "surrogatepass"))
-    return str(digest.hexdigest())
 
 
 def _store_many(

@@ -16,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from sqlalchemy import select
 
@@ -32,7 +33,8 @@ CUT_MARGIN_TOKENS = 8
 
 
 def text_digest(text: str) -> str:
-    """The SHA-256 of `text` (UTF-8, lone surrogates kept), in hex: a prefix's name."""
+    """The SHA-256 of `text` (UTF-8, lone surrogates kept), in hex: a prefix's name, and what
+    the result cache names a prompt by."""
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -59,6 +61,20 @@ class CountedPrompts:
     prefix: SharedPrefix | None
     rests: list[str]
     tokens: list[int]
+
+
+def whole_digests(counted: CountedPrompts) -> list[Callable[[], str]]:
+    """For each prompt, a function that gives its `text_digest` (the prefix hashed once)."""
+    if counted.prefix is None:
+        return [partial(text_digest, rest) for rest in counted.rests]
+    head = hashlib.sha256(counted.prefix.text.encode("utf-8", "surrogatepass"))
+
+    def after_head(rest: str) -> str:
+        digest = head.copy()
+        digest.update(rest.encode("utf-8", "surrogatepass"))
+        return digest.hexdigest()
+
+    return [partial(after_head, rest) for rest in counted.rests]
 
 
 def count_prompts(model: ModelInfo, prompts: Sequence[str]) -> CountedPrompts:

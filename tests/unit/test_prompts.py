@@ -5,7 +5,13 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from core.modelinfo import ModelInfo
-from core.prompts import MIN_SHARED_CHARS, count_prompts, count_with_head
+from core.prompts import (
+    MIN_SHARED_CHARS,
+    count_prompts,
+    count_with_head,
+    text_digest,
+    whole_digests,
+)
 
 DOCUMENT = " ".join(f"Clause {i}: the tenant pays rent on day {i % 28 + 1}." for i in range(80))
 
@@ -67,3 +73,13 @@ def test_short_or_unshared_prompts_are_kept_whole() -> None:
         assert counted.prefix is None
         assert counted.rests == prompts
         assert counted.tokens == _whole(model, prompts)
+
+
+def test_a_prompt_is_named_by_the_same_digest_whether_its_prefix_is_stored_or_not() -> None:
+    model = _model()
+    prompts = [f"{DOCUMENT}\n\nQuestion {i}: when is it due? ü 漢字" for i in range(3)]
+    shared = count_prompts(model, prompts)
+    alone = count_prompts(model, prompts[:1])
+    assert shared.prefix is not None and alone.prefix is None
+    assert [digest() for digest in whole_digests(shared)] == [text_digest(p) for p in prompts]
+    assert [digest() for digest in whole_digests(alone)] == [text_digest(prompts[0])]

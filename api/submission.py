@@ -39,7 +39,7 @@ from core.prompts import (
     text_digest,
     whole_digests,
 )
-from core.queue.dispatch import queued
+from core.queue.dispatch import drop_held, queued
 from core.queue.routing import prefix_key
 from core.quotas import Admission
 from core.states import JobStatus
@@ -355,11 +355,13 @@ async def cancel_batch_jobs(services: Services, batch_id: str) -> None:
     cancelled = await run_in_threadpool(BatchStore(services.db).cancel_jobs, batch_id)
     ttl = services.settings.job_key_ttl_s
     pipe = services.redis.pipeline(transaction=False)
-    for job_id in [job_id for job_id, _ in cancelled.ended] + cancelled.running:
+    for job_id in [job_id for job_id, _, _ in cancelled.ended] + cancelled.running:
         pipe.set(keys.job_cancel_flag(job_id), b"1", ex=ttl)
     for job_id in cancelled.running:
         pipe.publish(keys.CANCEL_CHANNEL, job_id)
     await pipe.execute()
-    for job_id, tier in cancelled.ended:
+    for (tier, owner), job_ids in cancelled.ended_by_queue().items():
+        await drop_held(services.redis, tier, owner, job_ids)
+    for job_id, tier, _ in cancelled.ended:
         JOBS_FINISHED.labels(tier, JobStatus.CANCELLED.value).inc()
         await services.events.publish(job_id, "cancelled", status=JobStatus.CANCELLED.value)

@@ -21,8 +21,15 @@ def new_batch_id(prefix: str) -> str:
 class Cancelled:
     """What cancelling a batch did: queued jobs it ended, running ones it must abort."""
 
-    ended: list[tuple[str, str]]  # (job id, tier), cancelled without running
+    ended: list[tuple[str, str, str]]  # (job id, tier, owner), cancelled without running
     running: list[str]  # job ids whose workers must abort them
+
+    def ended_by_queue(self) -> dict[tuple[str, str], list[str]]:
+        """The ended jobs' ids per (tier, owner): the held list each may still wait in."""
+        grouped: dict[tuple[str, str], list[str]] = {}
+        for job_id, tier, owner in self.ended:
+            grouped.setdefault((tier, owner), []).append(job_id)
+        return grouped
 
 
 class BatchStore:
@@ -73,7 +80,7 @@ class BatchStore:
                 .values(
                     status=JobStatus.CANCELLED.value, finished_at=now, finish_reason="cancelled"
                 )
-                .returning(Job.id, Job.tier)
+                .returning(Job.id, Job.tier, Job.owner)
                 .execution_options(synchronize_session=False)
             ).all()
             running = session.scalars(
@@ -81,4 +88,4 @@ class BatchStore:
                     Job.batch_id == batch_id, Job.status == JobStatus.RUNNING.value
                 )
             ).all()
-        return Cancelled([(job_id, tier) for job_id, tier in ended], list(running))
+        return Cancelled([(job_id, tier, owner) for job_id, tier, owner in ended], list(running))

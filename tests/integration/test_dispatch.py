@@ -3,6 +3,7 @@ a group of jobs goes to Redis in one round trip, as the messages Celery itself w
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import threading
@@ -12,10 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+import redis.asyncio as aioredis
 
 from core import keys
 from core.queue.app import RUN_JOB_TASK, enqueue_job, enqueue_jobs, make_celery_app
-from core.queue.dispatch import Dispatcher, QueuedJob
+from core.queue.dispatch import Dispatcher, QueuedJob, drop_held
 from core.settings import Settings
 from core.tiers import Tier
 from tests.support import redis_server
@@ -130,3 +132,41 @@ def test_a_job_message_is_the_one_celery_would_send(tmp_path: Path) -> None:
         assert ours.pop("delivery_tag") != celerys.pop("delivery_tag")
         assert ours == celerys
         assert ours["headers"]["task"] == RUN_JOB_TASK and ours["headers"]["n"] == "1"
+
+
+def test_cancelled_held_jobs_leave_their_lists_and_the_others_keep_their_turn(
+    tmp_path: Path,
+) -> None:
+    with redis_server(tmp_path) as server:
+        settings = Settings(redis_url=server.url, data_dir=tmp_path, dispatch_backlog=1)
+        client = redis.Redis.from_url(server.url)
+        dispatcher = Dispatcher(settings, client, make_celery_app(settings))
+        basic = Tier.BASIC.value
+        dispatcher.submit([QueuedJob(f"a{i}", basic, "alice") for i in range(5)])
+        dispatcher.submit([QueuedJob(f"b{i}", basic, "bob") for i in range(2)])
+        assert dispatcher.held()[basic] == 6  # a0 went straight onto the queue
+
+        async def drop() -> tuple[int, int, int]:
+            aclient = aioredis.Redis.from_url(server.url)
+            try:
+                return (
+                    await drop_held(aclient, basic, "alice", ["a0", "a1", "a3"]),
+                    await drop_held(aclient, basic, "bob", ["b0", "b1"]),
+                    await drop_held(aclient, basic, "bob", ["b0"]),
+                )
+            finally:
+                await aclient.aclose()
+
+        # a0 was sent already: its message stays, and the worker skips it.
+        assert asyncio.run(drop()) == (2, 2, 0)
+        assert dispatcher.held()[basic] == 2
+        assert client.lrange(keys.held_list(basic, "alice"), 0, -1)[0].startswith(b"a2 ")
+        assert client.zrange(keys.held_owners(basic), 0, -1) == [b"alice"]
+        client.delete(keys.queue_name(Tier.BASIC))  # a worker took a0
+        sent = []
+        for _ in range(2):
+            dispatcher.release()
+            messages = client.lrange(keys.queue_name(Tier.BASIC), 0, -1)
+            sent += [json.loads(message)["headers"]["argsrepr"] for message in messages]
+            client.delete(keys.queue_name(Tier.BASIC))
+        assert sent == ["['a2']", "['a4']"]

@@ -39,7 +39,8 @@ from core.prompts import (
     text_digest,
     whole_digests,
 )
-from core.queue.dispatch import drop_held, queued
+from core.queue.dispatch import queued
+from core.queue.held import drop_held
 from core.queue.routing import prefix_key
 from core.quotas import Admission
 from core.states import JobStatus

@@ -17,7 +17,8 @@ import redis.asyncio as aioredis
 
 from core import keys
 from core.queue.app import RUN_JOB_TASK, enqueue_job, enqueue_jobs, make_celery_app
-from core.queue.dispatch import Dispatcher, QueuedJob, drop_held
+from core.queue.dispatch import Dispatcher, QueuedJob
+from core.queue.held import drop_held
 from core.settings import Settings
 from core.tiers import Tier
 from tests.support import redis_server

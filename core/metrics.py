@@ -71,6 +71,17 @@ IN_FLIGHT = Gauge("inferq_jobs_in_flight", "Jobs running in this worker's engine
 KV_CACHE_USAGE = Gauge(
     "inferq_engine_kv_cache_usage", "Fraction of the engine's KV cache in use.", ["worker"]
 )
+TIME_PER_TOKEN = Gauge(
+    "inferq_engine_time_per_token_seconds",
+    "Seconds between a running request's output tokens in the worker's engine (smoothed).",
+    ["worker"],
+)
+HELD_FOR_PACE = Gauge(
+    "inferq_tier_held_for_pace",
+    "1 while the tier takes no new jobs on the worker because a job of a tier above it runs "
+    "too slowly for its deadline (deadline pacing).",
+    ["worker", "tier"],
+)
 ENGINE_WAITING = Gauge(
     "inferq_engine_waiting_requests",
     "Requests the engine has accepted but not yet scheduled.",

@@ -188,6 +188,12 @@ class Settings(BaseSettings):
         default=True,
         description="Identical deterministic jobs in flight on a worker share one engine request.",
     )
+    deadline_pacing: bool = Field(
+        default=True,
+        description="While a running job's tokens come too slowly to meet its deadline, the "
+        "tiers below it take no new jobs on its worker, so the batch shrinks and each engine "
+        "step gets faster.",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="INFO", description="The least severe level every inferq process logs."
     )

@@ -24,8 +24,10 @@ from core.tracing import shutdown as shutdown_tracing
 from core.workernames import WorkerNameClaim, WorkerNameTaken, claim_first_free, claim_name
 from workers.devices import DeviceSpec, pin_devices, unbind_extra_cpu_engine
 from workers.edge import JobsHeld
+from workers.generation import Delta
 from workers.merging import MergingEngine
 from workers.metrics import DeviceMemory
+from workers.pace import DeadlinePace
 from workers.reserve import TierReserve
 from workers.runner import JobRunner
 from workers.streams import DeltaPublisher
@@ -126,11 +128,18 @@ def run_worker(
 
     deltas = DeltaPublisher(EventPublisher(client, settings.job_key_ttl_s))
     engine = MergingEngine(deltas.publish_step, enabled=settings.merge_requests)
+    pace = DeadlinePace() if settings.deadline_pacing else None
+
+    def on_deltas(step: list[Delta]) -> None:
+        if pace is not None:
+            pace.observe(step)
+        engine.on_deltas(step)
+
     vllm = VllmEngine(
         settings,
         device=spec.kind,
         num_gpus=len(spec.gpus),
-        on_deltas=engine.on_deltas,
+        on_deltas=on_deltas,
         stats_label=node_name if settings.engine_metrics else None,
     )
     vllm.start()
@@ -148,6 +157,7 @@ def run_worker(
             settings.tiers,
             slots=concurrency or settings.worker_concurrency,
             kv_tokens=vllm.kv_cache_tokens(),
+            pace=pace,
         ),
     )
     heartbeat = _Heartbeat(

@@ -17,6 +17,9 @@ starts and when it ends; a prefix that several jobs' prompts share (a document Q
 document, `core.prompts`) counts once while any of them runs, as it sits once in vLLM's prefix
 cache. The token limit is checked against what is held when the worker
 polls, so one bulk take may pass it by a few jobs; the next poll makes up for it.
+
+With a `DeadlinePace` (`workers.pace`), a tier also takes nothing while a job of a tier above
+it runs behind its deadline's pace: the batch shrinks until that job's tokens come fast enough.
 """
 
 from __future__ import annotations
@@ -26,16 +29,22 @@ import threading
 from collections.abc import Mapping
 
 from core.tiers import TIERS_BY_PRIORITY, Tier, TierPolicy
+from workers.pace import DeadlinePace
 
 
 class TierReserve:
     """Counts what each tier holds of one worker, and what each may still take."""
 
     def __init__(
-        self, policies: Mapping[Tier, TierPolicy], slots: int, kv_tokens: int | None = None
+        self,
+        policies: Mapping[Tier, TierPolicy],
+        slots: int,
+        kv_tokens: int | None = None,
+        pace: DeadlinePace | None = None,
     ) -> None:
         self.slots = slots
         self.kv_tokens = kv_tokens
+        self.pace = pace
         self._shares = {tier: policies[tier].engine_share for tier in TIERS_BY_PRIORITY}
         self._lock = threading.Lock()
         self._tags: dict[str, tuple[Tier, int]] = {}  # tag → its tier, deliveries not acked
@@ -98,6 +107,7 @@ class TierReserve:
 
     def left(self) -> dict[Tier, int]:
         """Messages each tier may still take now."""
+        held_back = self.pace.held_back() if self.pace is not None else ()
         with self._lock:
             total = sum(self._held.values())
             rooms: dict[Tier, int] = {}
@@ -116,7 +126,7 @@ class TierReserve:
                 if self.kv_tokens and jobs:
                     budget = share * self.kv_tokens - tokens
                     room = min(room, math.floor(budget / (tokens / jobs)))
-                rooms[tier] = max(room, 0)
+                rooms[tier] = 0 if tier in held_back else max(room, 0)
             return {tier: rooms[tier] for tier in TIERS_BY_PRIORITY}
 
     def held(self) -> dict[Tier, int]:

@@ -23,15 +23,16 @@ import redis
 from core import keys
 from core.events import EventPublisher
 from core.jobs import JobStore
-from core.metrics import IN_FLIGHT
+from core.metrics import HELD_FOR_PACE, IN_FLIGHT, TIME_PER_TOKEN
 from core.settings import Settings
 from core.states import JobStatus
-from core.tiers import Tier
+from core.tiers import TIERS_BY_PRIORITY, Tier
 from workers.generation import GenerationResult
 from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
 from workers.metrics import WorkerStats
 from workers.outcomes import OutcomeRecorder
+from workers.pace import DeadlinePace
 from workers.reserve import TierReserve
 from workers.starting import UNAVAILABLE, JobStarter, RunningJobs, Started, StartOutcome
 from workers.streams import DeltaPublisher
@@ -205,6 +206,8 @@ class JobRunner:
         counted = self._kv_held.pop(started.request_id, None)
         if counted is not None and self.reserve is not None:
             self.reserve.job_ended(*counted)
+            if self.reserve.pace is not None:
+                self.reserve.pace.ended(job.id, job.attempt)
         with self.stats.lock:
             self.stats.in_flight -= 1
         try:
@@ -243,6 +246,8 @@ class JobRunner:
         self.leases.release(stale, pipe)
         counters = self.stats.as_mapping()
         IN_FLIGHT.labels(self.worker_name).set(counters["in_flight"])
+        if self.reserve is not None and self.reserve.pace is not None:
+            self._show_pace(self.reserve.pace)
         pipe.hset(keys.worker_stats(self.worker_name), mapping=counters)
         pipe.expire(keys.worker_stats(self.worker_name), STATS_TTL_S)
         pipe.sadd(keys.WORKERS_SET, self.worker_name)
@@ -255,6 +260,12 @@ class JobRunner:
             for job_id, (_channel, subscribers) in zip(running, replies[-1], strict=True):
                 if subscribers:
                     self.deltas.watch(job_id)
+
+    def _show_pace(self, pace: DeadlinePace) -> None:
+        TIME_PER_TOKEN.labels(self.worker_name).set(pace.time_per_token() or 0.0)
+        held_back = pace.held_back()
+        for tier in TIERS_BY_PRIORITY:
+            HELD_FOR_PACE.labels(self.worker_name, tier.value).set(int(tier in held_back))
 
     def retire(self) -> None:
         """Take this worker off the list of live workers.

@@ -289,6 +289,11 @@ class JobStarter:
             shared = self._prefixes.shared(job)
             self._kv_held[request.request_id] = (Tier(job.tier), tokens, shared)
             self.reserve.job_started(Tier(job.tier), tokens, shared)
+            if self.reserve.pace is not None:
+                max_tokens = int(request.sampling.get("max_tokens") or 0)
+                self.reserve.pace.started(
+                    job.id, job.attempt, Tier(job.tier), max_tokens, request.timeout_s
+                )
         log.info(
             "job %s started: attempt %d, tier %s%s%s",
             job.id,

@@ -91,6 +91,59 @@ def test_a_premium_job_starts_at_once_while_basic_jobs_hold_their_share_of_the_w
     stack.wait_idle(timeout_s=120)
 
 
+def test_a_premium_job_too_slow_for_its_deadline_holds_basic_jobs_back_while_it_runs(
+    stack: Stack,
+) -> None:
+    stack.forget_measured_load()  # its backlog is deliberate: admission is not what it tests
+    basic_key = stack.create_key(Tier.BASIC)
+    premium_key = stack.create_key(Tier.PREMIUM)
+    tokens = DEFAULT_TIER_POLICIES[Tier.PREMIUM].max_tokens
+    # The pace of a premium job alone on the worker.
+    alone = _finals(stack, premium_key, [_long_job(stack, premium_key, tokens)])[0]
+    solo_s = (alone["timings"]["total_s"] - alone["timings"]["ttft_s"]) / tokens
+    share = math.floor(DEFAULT_TIER_POLICIES[Tier.BASIC].engine_share * WORKER_CONCURRENCY)
+    flood = _batch(stack, basic_key, 300, max_tokens=512, ignore_eos=True)
+    held: list[float] = []
+    with stack.client(basic_key) as client:
+        try:
+            deadline = time.monotonic() + 60
+            while len(_running_jobs(client)) < share:
+                assert time.monotonic() < deadline, "basic jobs did not fill their share"
+                time.sleep(0.1)
+            # Due in 1.2 times what it takes alone: beside a full batch of basic jobs, its
+            # tokens come too slowly for that.
+            premium = _long_job(stack, premium_key, tokens, timeout_s=tokens * solo_s * 1.2)
+            with stack.client(premium_key) as watcher:
+                while watcher.get(f"/v1/jobs/{premium['id']}").json()["status"] in (
+                    "queued",
+                    "running",
+                ):
+                    held.append(_worker_gauge(stack, "inferq_tier_held_for_pace", 'tier="basic"'))
+                    time.sleep(0.1)
+        finally:
+            for job in flood:
+                client.delete(f"/v1/jobs/{job['id']}")
+    assert 1.0 in held, held  # the worker showed basic held back for the premium job's pace
+    assert _worker_gauge(stack, "inferq_engine_time_per_token_seconds") > 0
+    stack.wait_idle(timeout_s=120)
+    time.sleep(1.5)  # the next heartbeat
+    assert _worker_gauge(stack, "inferq_tier_held_for_pace", 'tier="basic"') == 0.0
+
+
+def _long_job(stack: Stack, key: str, tokens: int, **body: Any) -> dict[str, Any]:
+    return stack.submit(key, prompt="Long.", max_tokens=tokens, ignore_eos=True, **body)
+
+
+def _worker_gauge(stack: Stack, name: str, label: str = "") -> float:
+    """The value of the worker's gauge `name` (the series that has `label`)."""
+    text = httpx.get(stack.worker_metrics_url, timeout=10).text
+    return next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and label in line
+    )
+
+
 def _running_jobs(client: httpx.Client) -> list[dict[str, Any]]:
     page = client.get("/v1/jobs", params={"status": "running", "limit": 100}).json()
     jobs: list[dict[str, Any]] = page["data"]

@@ -2,15 +2,18 @@
 
 Workers count, in 10-second buckets, the jobs they start per tier, and the runs they end with
 their run time. A new job of a tier waits for the jobs of its tier ahead of it (the shared
-queues, the workers' own queues of routed jobs, and the jobs held back for fair share); they
-start at the rate the tier's jobs started over the last `RATE_BUCKETS` complete buckets, or, if
-more, at the capacity the tiers above leave it (a tier with little demand started few jobs).
-If it would wait past `ADMIT_SHARE` of what its deadline allows (its queue limit, and its total
-limit less the time a job of its tier runs), it is refused with 429 `queue_full` and a
-`Retry-After`, rather than accepted to time out. The capacity is the best bucket of finished
-jobs in the last minute; a tier's start rate counts once `MIN_MEASURED_JOBS` started in its
-window. With neither measured (an idle, quiet or freshly started system), everything is admitted;
-a job with nothing ahead of it always is.
+queues, the workers' own queues of routed jobs, and the jobs held back for fair share), less
+the live workers' free slots for the tier, which each worker's heartbeat publishes (a job they
+have room for starts at once). The rest start at the rate the tier's jobs started over the last
+`RATE_BUCKETS` complete buckets, or, if more, at the capacity the tiers above leave it (a tier
+with little demand started few jobs). If it would wait past `ADMIT_SHARE` of what its deadline
+allows (its queue limit, and its total limit less the time a job of its tier runs), it is
+refused with 429 `queue_full` and a `Retry-After`, rather than accepted to time out. The
+capacity is the best bucket of finished jobs in the last minute; a tier's start rate counts
+once `MIN_MEASURED_JOBS` started in its window. With neither measured (an idle, quiet or
+freshly started system), everything is admitted; a job with nothing ahead of it always is.
+A rate measured under light load is the demand, not what the workers can take: the free slots
+keep it from refusing a large batch sent right after a small one.
 
 Every submission is decided on a read of Redis made after it arrived or while it arrived, never
 on a remembered one: with Redis out, a submission is refused with 503 before anything is stored.
@@ -44,6 +47,26 @@ ADMIT_SHARE = 0.8
 the estimate lags changes in load by up to `RATE_BUCKETS` buckets."""
 
 
+# ARGV: the workers set, the stats key's prefix and suffix, then one room field per tier. Sums
+# each field over the workers whose stats hash exists (live ones).
+_ROOM_SCRIPT = """
+local sums = {}
+for i = 4, #ARGV do sums[i - 3] = 0 end
+for _, name in ipairs(redis.call('SMEMBERS', ARGV[1])) do
+  local values = redis.call('HMGET', ARGV[2] .. name .. ARGV[3], unpack(ARGV, 4))
+  for i = 1, #ARGV - 3 do
+    if values[i] then sums[i] = sums[i] + tonumber(values[i]) end
+  end
+end
+return sums
+"""
+
+
+def _room_args() -> list[str]:
+    prefix, suffix = keys.worker_stats("\0").split("\0")
+    return [keys.WORKERS_SET, prefix, suffix, *map(keys.worker_room_field, TIERS_BY_PRIORITY)]
+
+
 async def waiting_counts(client: aioredis.Redis) -> dict[Tier, int]:
     """Jobs waiting per tier: queued messages (shared and routed) plus jobs held back."""
     counts = await client.eval(WAITING_SCRIPT, 0, *waiting_args())
@@ -71,6 +94,8 @@ class QueueState:
     """Jobs per second each tier's queue drained at (0: not measured)."""
     run_s: dict[Tier, float]
     """Seconds a run of each tier's jobs took on average in the last minute (0: none ended)."""
+    room: dict[Tier, int]
+    """Jobs of each tier the live workers would take now (their last heartbeat's free slots)."""
 
 
 class QueueStateReader:
@@ -111,7 +136,8 @@ class QueueStateReader:
         pipe = self._redis.pipeline(transaction=False)
         pipe.mget(names)
         pipe.eval(WAITING_SCRIPT, 0, *waiting_args())
-        values, counts = await pipe.execute()
+        pipe.eval(_ROOM_SCRIPT, 0, *_room_args())
+        values, counts, rooms = await pipe.execute()
         numbers = iter([int(value or 0) for value in values])
         best = max(next(numbers) for _ in window)
         started: dict[Tier, float] = {}
@@ -127,6 +153,7 @@ class QueueStateReader:
             waiting={tier: int(n) for tier, n in zip(TIERS_BY_PRIORITY, counts, strict=True)},
             started=started,
             run_s=run_s,
+            room={tier: int(n) for tier, n in zip(TIERS_BY_PRIORITY, rooms, strict=True)},
         )
 
 
@@ -153,7 +180,10 @@ async def admit_to_queue(queue_state: QueueStateReader, batch: list[NewJob]) -> 
     # measured rate is the demand, not the capacity, and would refuse it for nothing).
     if ahead + len(batch) - 1 == 0:
         return
-    wait_s = (ahead + len(batch) - 1) / rate
+    # The jobs the workers have free slots for start at once: a large batch right after a small
+    # one is judged by what the workers can take, not only by the rate the small one started at.
+    free = state.room[tier]
+    wait_s = max(ahead + len(batch) - 1 - free, 0) / rate
     queue_limit_s = min(new.queue_timeout_s or new.timeout_s for new in batch)
     run_s = state.run_s[tier]
     allowed_s = min(queue_limit_s, min(new.timeout_s for new in batch) - run_s)
@@ -161,6 +191,8 @@ async def admit_to_queue(queue_state: QueueStateReader, batch: list[NewJob]) -> 
         return
     retry_after = max(1, math.ceil(wait_s - ADMIT_SHARE * max(allowed_s, 0)))
     runs = f" (less the {run_s:.1f} s a {tier.value} job runs)" if run_s else ""
+    if free:
+        pace += f" once the {free} free worker slots are taken"
     raise QueueFull(
         f"The {tier.value} queue is full: {ahead} jobs are waiting ahead, and at {pace} this "
         f"{'batch' if len(batch) > 1 else 'job'} would wait about {wait_s:.0f} s, past what its "

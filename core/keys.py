@@ -155,6 +155,11 @@ def worker_stats(worker_name: str) -> str:
     return f"{PREFIX}:worker:{worker_name}:stats"
 
 
+def worker_room_field(tier: Tier | str) -> str:
+    """The field of `worker_stats` with how many more jobs of a tier the worker would take."""
+    return f"room_{Tier(tier).value}"
+
+
 def worker_name_claim(worker_name: str) -> str:
     """Held by the one live process that goes by a worker name (see `core.workernames`)."""
     return f"{PREFIX}:worker-name:{worker_name}"

@@ -245,6 +245,9 @@ class JobRunner:
         self.leases.renew(running, pipe)
         self.leases.release(stale, pipe)
         counters = self.stats.as_mapping()
+        if self.reserve is not None:  # admission control counts free slots as starting at once
+            for tier, room in self.reserve.left().items():
+                counters[keys.worker_room_field(tier)] = room
         IN_FLIGHT.labels(self.worker_name).set(counters["in_flight"])
         if self.reserve is not None and self.reserve.pace is not None:
             self._show_pace(self.reserve.pace)

@@ -161,3 +161,36 @@ def test_a_basic_job_waits_for_what_the_tiers_above_leave_it(tmp_path: Path) -> 
         message, retry_after = asyncio.run(scenario())
         assert "basic jobs start at about 1/s" in message
         assert retry_after >= 1
+
+
+def test_a_large_batch_after_a_small_one_counts_the_free_worker_slots(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        sync = redis.Redis.from_url(server.url)
+        current = int(time.time()) // BUCKET_S
+        # A 50-question warm-up started at about 1.7/s: the rate of what was asked, not of what
+        # the workers can take. A live worker with 150 free basic slots says so.
+        for ago in range(1, RATE_BUCKETS + 1):
+            sync.set(keys.started_tier_bucket(Tier.BASIC, current - ago), 17)
+        sync.sadd(keys.WORKERS_SET, "w1", "gone")
+        sync.hset(keys.worker_stats("w1"), mapping={keys.worker_room_field(Tier.BASIC): 150})
+
+        async def scenario() -> str:
+            client = aioredis.Redis.from_url(server.url)
+            reader = QueueStateReader(client)
+            try:
+                # 200 jobs: 150 start at once, the other 50 wait about 29 s at 1.7/s, within
+                # 80% of the 60 s queue limit. Judged at 1.7/s alone: 117 s, refused.
+                batch = [replace(_job(), queue_timeout_s=60.0, timeout_s=120.0)] * 200
+                await admit_to_queue(reader, batch)
+                # 300 would leave 150 waiting: about 88 s, refused, and the message says why.
+                with pytest.raises(QueueFull) as refused:
+                    await admit_to_queue(reader, batch + batch[:100])
+                # A worker whose heartbeat lapsed frees nothing.
+                sync.delete(keys.worker_stats("w1"))
+                with pytest.raises(QueueFull):
+                    await admit_to_queue(reader, batch)
+                return refused.value.message
+            finally:
+                await client.aclose()
+
+        assert "once the 150 free worker slots are taken" in asyncio.run(scenario())

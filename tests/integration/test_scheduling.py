@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from core import keys
 from core.tiers import DEFAULT_TIER_POLICIES, Tier
 from tests.integration.test_cancel_and_deadlines import full_worker
 from tests.support import WORKER_CONCURRENCY, Stack, wait_final
@@ -78,6 +79,11 @@ def test_a_premium_job_starts_at_once_while_basic_jobs_hold_their_share_of_the_w
                 most = max(most, len(_running_jobs(client)))
                 time.sleep(0.3)
             assert stack.queue_lengths()["basic"] > 0, "the flood ended before the premium jobs"
+            # What the worker's heartbeat tells admission control: no room for basic, room for
+            # premium.
+            stats = stack.worker_stats()
+            assert stats[keys.worker_room_field(Tier.BASIC)] == 0, stats
+            assert stats[keys.worker_room_field(Tier.PREMIUM)] > 0, stats
             premium_done = _finals(stack, premium_key, premium)
             most = max(most, len(_running_jobs(client)))
         finally:

@@ -132,17 +132,19 @@ class QaBatchCreate(BaseModel):
         place; a chat template that treats the text differently (checked on the first and
         last questions) gets every prompt made whole.
         """
-        head, _, tail = self._made(model, document, QUESTION_MARK).partition(QUESTION_MARK)
+        head, _, tail = self.rendered(model, document, QUESTION_MARK).partition(QUESTION_MARK)
         questions = self.questions
         if QUESTION_MARK in tail or any(
-            head + questions[i] + tail != self._made(model, document, questions[i])
+            head + questions[i] + tail != self.rendered(model, document, questions[i])
             for i in {0, len(questions) - 1}
         ):
-            made = [self._made(model, document, question) for question in questions]
+            made = [self.rendered(model, document, question) for question in questions]
             return count_prompts(model, made)
         return count_with_head(model, head, [question + tail for question in questions])
 
-    def _made(self, model: ModelInfo, document: str, question: str) -> str:
+    def rendered(self, model: ModelInfo, document: str, question: str) -> str:
+        """The prompt one question's job runs on: the filled template, in the model's chat
+        template unless `raw`."""
         text = self.prompt(document, question)
         if self.raw:
             return text

@@ -60,8 +60,7 @@ from report import (
 )
 from vllm_server import vllm_server
 
-from api.openai.chat_prompt import render_chat
-from api.qa_batches import DEFAULT_SYSTEM, DEFAULT_TEMPLATE
+from api.qa_batches import QaBatchCreate
 from core.modelinfo import ModelInfo, load_model_info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -100,9 +99,8 @@ def questions_of(count: int, repeat_share: float, seed: int) -> list[str]:
 
 def prompt_of(model: ModelInfo, document: str, question: str) -> str:
     """The prompt inferq's Q&A batch makes of one question, by default."""
-    text = DEFAULT_TEMPLATE.replace("{document}", document).replace("{question}", question)
-    system, user = {"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": text}
-    return render_chat(model, [system, user])
+    batch = QaBatchCreate(document=document, questions=[question])
+    return batch.rendered(model, document, question)
 
 
 def run_inferq(

@@ -115,6 +115,15 @@ def _worker_filled(stack: Stack, key: str) -> Iterator[list[dict[str, Any]]]:
         for i in range(WORKER_CONCURRENCY)
     ]
     try:
+        # Every slot busy before the test builds on it (a slot still held by an earlier test's
+        # job leaves a blocker queued for a moment).
+        with stack.client(key) as client:
+            deadline = time.monotonic() + 60
+            while len(
+                client.get("/v1/jobs", params={"status": "running", "limit": 100}).json()["data"]
+            ) < len(blockers):
+                assert time.monotonic() < deadline, "the blockers did not all start"
+                time.sleep(0.1)
         yield blockers
     finally:
         # Also when the test failed: left running, they would hold the worker for the next tests.

@@ -73,17 +73,19 @@ def test_a_premium_job_starts_at_once_while_basic_jobs_hold_their_share_of_the_w
                 assert time.monotonic() < deadline, f"basic jobs did not fill their share ({most})"
                 most = max(most, len(_running_jobs(client)))
                 time.sleep(0.1)
-            premium = []
+            premium, heartbeats = [], []
             for i in range(5):
                 premium.append(stack.submit(premium_key, prompt=f"Premium {i}.", max_tokens=8))
                 most = max(most, len(_running_jobs(client)))
+                heartbeats.append(stack.worker_stats())
                 time.sleep(0.3)
             assert stack.queue_lengths()["basic"] > 0, "the flood ended before the premium jobs"
-            # What the worker's heartbeat tells admission control: no room for basic, room for
-            # premium.
-            stats = stack.worker_stats()
-            assert stats[keys.worker_room_field(Tier.BASIC)] == 0, stats
-            assert stats[keys.worker_room_field(Tier.PREMIUM)] > 0, stats
+            # What the worker's heartbeat tells admission control: room for premium throughout,
+            # and less for basic, held to its share (a snapshot may fall between a basic job's
+            # end and the next one's start, so basic's room is not always 0).
+            basic_room = keys.worker_room_field(Tier.BASIC)
+            premium_room = keys.worker_room_field(Tier.PREMIUM)
+            assert all(0 <= b[basic_room] < b[premium_room] for b in heartbeats), heartbeats
             premium_done = _finals(stack, premium_key, premium)
             most = max(most, len(_running_jobs(client)))
         finally:

@@ -128,7 +128,10 @@ def run_worker(
 
     deltas = DeltaPublisher(EventPublisher(client, settings.job_key_ttl_s))
     engine = MergingEngine(deltas.publish_step, enabled=settings.merge_requests)
-    pace = DeadlinePace() if settings.deadline_pacing else None
+    # Stock Celery's transport takes no notice of the tier reserve, nor of pacing, which acts
+    # through it: neither is kept, and the heartbeat publishes no room per tier.
+    stock = settings.celery_mode == "stock"
+    pace = DeadlinePace() if settings.deadline_pacing and not stock else None
 
     def on_deltas(step: list[Delta]) -> None:
         if pace is not None:
@@ -153,7 +156,9 @@ def run_worker(
         worker_name=node_name,
         claim_token=name_claim.token,
         deltas=deltas,
-        reserve=TierReserve(
+        reserve=None
+        if stock
+        else TierReserve(
             settings.tiers,
             slots=concurrency or settings.worker_concurrency,
             kv_tokens=vllm.kv_cache_tokens(),
@@ -184,7 +189,6 @@ def run_worker(
     worker_ready.connect(announce, weak=False)
 
     app = make_celery_app(settings)
-    stock = settings.celery_mode == "stock"
     if not stock:
         # Bulk takes (see workers.edge; edge_batch 1 takes one message at a time, as kombu
         # does), a prefetch limit that still counts the jobs taken before a reconnect, and a

@@ -24,7 +24,6 @@ from core.tracing import shutdown as shutdown_tracing
 from core.workernames import WorkerNameClaim, WorkerNameTaken, claim_first_free, claim_name
 from workers.devices import DeviceSpec, pin_devices, unbind_extra_cpu_engine
 from workers.edge import JobsHeld
-from workers.generation import Delta
 from workers.merging import MergingEngine
 from workers.metrics import DeviceMemory
 from workers.pace import DeadlinePace
@@ -133,16 +132,11 @@ def run_worker(
     stock = settings.celery_mode == "stock"
     pace = DeadlinePace() if settings.deadline_pacing and not stock else None
 
-    def on_deltas(step: list[Delta]) -> None:
-        if pace is not None:
-            pace.observe(step)
-        engine.on_deltas(step)
-
     vllm = VllmEngine(
         settings,
         device=spec.kind,
         num_gpus=len(spec.gpus),
-        on_deltas=on_deltas,
+        on_deltas=engine.on_deltas if pace is None else pace.watching(engine.on_deltas),
         stats_label=node_name if settings.engine_metrics else None,
     )
     vllm.start()

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 from core.tiers import TIERS_BY_PRIORITY, Tier
-from workers.generation import Delta
+from workers.generation import Delta, DeltaSink
 
 MARGIN = 0.9
 """A job is behind when its tokens left need more than this share of its time left."""
@@ -93,6 +93,15 @@ class DeadlinePace:
                     if self._samples >= FLOOR_AFTER_SAMPLES:
                         self._best = average if self._best is None else min(self._best, average)
                 job.last_at = delta.at
+
+    def watching(self, sink: DeltaSink) -> DeltaSink:
+        """`sink`, with every step's deltas observed here first."""
+
+        def observed(deltas: list[Delta]) -> None:
+            self.observe(deltas)
+            sink(deltas)
+
+        return observed
 
     def time_per_token(self) -> float | None:
         """The engine's current seconds per output token of a request (None: not measured)."""

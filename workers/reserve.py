@@ -27,9 +27,23 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from core.tiers import TIERS_BY_PRIORITY, Tier, TierPolicy
 from workers.pace import DeadlinePace
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One attempt of a job in the engine, as the reserve counts it from its start to its end."""
+
+    job_id: str
+    attempt: int
+    tier: Tier
+    tokens: int  # the KV cache it may come to hold: its prompt plus `max_tokens`
+    max_tokens: int
+    timeout_s: float  # its time left when it started
+    shared: tuple[str, int] | None = None  # the prefix (id, tokens) it shares with others
 
 
 class TierReserve:
@@ -77,33 +91,39 @@ class TierReserve:
             if deliveries > 1:
                 self._tags[tag] = (tier, deliveries - 1)
 
-    def job_started(self, tier: Tier, tokens: int, shared: tuple[str, int] | None = None) -> None:
-        """A job that may come to hold `tokens` of KV cache entered the engine; `shared`: the
-        prefix (id, tokens) its first tokens are, counted once however many jobs hold it."""
+    def job_started(self, run: EngineRun) -> None:
+        """A job entered the engine: its KV cache counts to its tier, a shared prefix once
+        however many jobs hold it, and the pace watches its deadline."""
         with self._lock:
-            if shared is not None:
-                prefix, prefix_tokens = shared
-                counted_to, _, holders = self._prefixes.get(prefix, (tier, prefix_tokens, 0))
+            tokens = run.tokens
+            if run.shared is not None:
+                prefix, prefix_tokens = run.shared
+                counted_to, _, holders = self._prefixes.get(prefix, (run.tier, prefix_tokens, 0))
                 if not holders:
                     self._tokens[counted_to] += prefix_tokens
                 self._prefixes[prefix] = (counted_to, prefix_tokens, holders + 1)
                 tokens -= prefix_tokens
-            self._tokens[tier] += tokens
-            self._jobs[tier] += 1
+            self._tokens[run.tier] += tokens
+            self._jobs[run.tier] += 1
+        if self.pace is not None:
+            self.pace.started(run.job_id, run.attempt, run.tier, run.max_tokens, run.timeout_s)
 
-    def job_ended(self, tier: Tier, tokens: int, shared: tuple[str, int] | None = None) -> None:
-        """The job `job_started` counted left the engine."""
+    def job_ended(self, run: EngineRun) -> None:
+        """The run `job_started` counted left the engine."""
         with self._lock:
-            if shared is not None:
-                prefix, prefix_tokens = shared
+            tokens = run.tokens
+            if run.shared is not None:
+                prefix, prefix_tokens = run.shared
                 counted_to, _, holders = self._prefixes.pop(prefix)
                 if holders > 1:
                     self._prefixes[prefix] = (counted_to, prefix_tokens, holders - 1)
                 else:
                     self._tokens[counted_to] -= prefix_tokens
                 tokens -= prefix_tokens
-            self._tokens[tier] -= tokens
-            self._jobs[tier] -= 1
+            self._tokens[run.tier] -= tokens
+            self._jobs[run.tier] -= 1
+        if self.pace is not None:
+            self.pace.ended(run.job_id, run.attempt)
 
     def left(self) -> dict[Tier, int]:
         """Messages each tier may still take now."""

@@ -26,14 +26,14 @@ from core.jobs import JobStore
 from core.metrics import HELD_FOR_PACE, IN_FLIGHT, TIME_PER_TOKEN
 from core.settings import Settings
 from core.states import JobStatus
-from core.tiers import TIERS_BY_PRIORITY, Tier
+from core.tiers import TIERS_BY_PRIORITY
 from workers.generation import GenerationResult
 from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
 from workers.metrics import WorkerStats
 from workers.outcomes import OutcomeRecorder
 from workers.pace import DeadlinePace
-from workers.reserve import TierReserve
+from workers.reserve import EngineRun, TierReserve
 from workers.starting import UNAVAILABLE, JobStarter, RunningJobs, Started, StartOutcome
 from workers.streams import DeltaPublisher
 
@@ -72,7 +72,7 @@ class JobRunner:
         self.deltas = deltas
         self.reserve = reserve
         # engine request id → the tier and KV tokens the reserve counts for it
-        self._kv_held: dict[str, tuple[Tier, int, tuple[str, int] | None]] = {}
+        self._kv_held: dict[str, EngineRun] = {}
         self.outcomes = OutcomeRecorder(
             store,
             self.publisher,
@@ -203,11 +203,9 @@ class JobRunner:
         job = started.job
         # A later attempt of the same job may have started here meanwhile: leave it be.
         self._running.end(job.id, started.request_id)
-        counted = self._kv_held.pop(started.request_id, None)
-        if counted is not None and self.reserve is not None:
-            self.reserve.job_ended(*counted)
-            if self.reserve.pace is not None:
-                self.reserve.pace.ended(job.id, job.attempt)
+        run = self._kv_held.pop(started.request_id, None)
+        if run is not None and self.reserve is not None:
+            self.reserve.job_ended(run)
         with self.stats.lock:
             self.stats.in_flight -= 1
         try:

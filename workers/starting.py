@@ -37,7 +37,7 @@ from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
 from workers.metrics import WorkerStats, observe_ended_unrun, observe_start
 from workers.outcomes import OutcomeRecorder
-from workers.reserve import TierReserve
+from workers.reserve import EngineRun, TierReserve
 from workers.resume import Resume, joined_when_done, read_resumes
 from workers.streams import DeltaPublisher
 
@@ -118,7 +118,7 @@ class JobStarter:
         outcomes: OutcomeRecorder,
         running: RunningJobs,
         stale_leases: StaleLeases,
-        kv_held: dict[str, tuple[Tier, int, tuple[str, int] | None]],
+        kv_held: dict[str, EngineRun],
         cancel: Callable[[str], bool],
         watch: Callable[[str], None],
         deltas: DeltaPublisher | None = None,
@@ -284,16 +284,19 @@ class JobStarter:
         if merged:
             JOBS_MERGED.labels(job.tier).inc()
         elif self.reserve is not None:  # a merged job holds no KV cache of its own
-            tokens = (job.prompt_tokens or 0) + int(request.sampling.get("max_tokens") or 0)
-            # The prefix a batch's prompts share sits once in vLLM's prefix cache.
-            shared = self._prefixes.shared(job)
-            self._kv_held[request.request_id] = (Tier(job.tier), tokens, shared)
-            self.reserve.job_started(Tier(job.tier), tokens, shared)
-            if self.reserve.pace is not None:
-                max_tokens = int(request.sampling.get("max_tokens") or 0)
-                self.reserve.pace.started(
-                    job.id, job.attempt, Tier(job.tier), max_tokens, request.timeout_s
-                )
+            max_tokens = int(request.sampling.get("max_tokens") or 0)
+            run = EngineRun(
+                job_id=job.id,
+                attempt=job.attempt,
+                tier=Tier(job.tier),
+                tokens=(job.prompt_tokens or 0) + max_tokens,
+                max_tokens=max_tokens,
+                timeout_s=request.timeout_s,
+                # The prefix a batch's prompts share sits once in vLLM's prefix cache.
+                shared=self._prefixes.shared(job),
+            )
+            self._kv_held[request.request_id] = run
+            self.reserve.job_started(run)
         log.info(
             "job %s started: attempt %d, tier %s%s%s",
             job.id,

@@ -9,7 +9,7 @@ import pytest
 from core.tiers import DEFAULT_TIER_POLICIES, Tier
 from workers.generation import Delta
 from workers.pace import DeadlinePace
-from workers.reserve import TierReserve
+from workers.reserve import EngineRun, TierReserve
 
 
 def _steps(pace: DeadlinePace, job_ids: list[str], start: float, per_token: float, n: int) -> None:
@@ -23,8 +23,10 @@ def test_a_premium_job_too_slow_for_its_deadline_holds_the_lower_tiers_back() ->
     pace = DeadlinePace()
     reserve = TierReserve(DEFAULT_TIER_POLICIES, slots=100, pace=pace)
     now = time.time()
-    pace.started("premium", 1, Tier.PREMIUM, max_tokens=500, timeout_s=30)
-    pace.started("basic", 1, Tier.BASIC, max_tokens=100, timeout_s=120)
+    # The reserve tells the pace of each run it counts.
+    premium = EngineRun("premium", 1, Tier.PREMIUM, tokens=600, max_tokens=500, timeout_s=30)
+    reserve.job_started(premium)
+    reserve.job_started(EngineRun("basic", 1, Tier.BASIC, 200, max_tokens=100, timeout_s=120))
     # 0.03 s a token: 490 tokens left need 14.7 s of the 29.7 s left. On pace.
     _steps(pace, ["premium", "basic"], now, 0.03, 10)
     assert pace.behind(now=now + 0.3) is None
@@ -40,7 +42,7 @@ def test_a_premium_job_too_slow_for_its_deadline_holds_the_lower_tiers_back() ->
     assert left[Tier.PREMIUM] == 100  # the tier itself is never held back
 
     # Its run ended: nothing is behind, and the lower tiers take work again.
-    pace.ended("premium", 1)
+    reserve.job_ended(premium)
     assert pace.behind(now=now + 1.5) is None
 
 

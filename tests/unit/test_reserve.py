@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from core import keys
 from core.tiers import DEFAULT_TIER_POLICIES, Tier
-from workers.reserve import TierReserve
+from workers.reserve import EngineRun, TierReserve
+
+
+def _run(tokens: int, shared: tuple[str, int] | None = None) -> EngineRun:
+    return EngineRun("job", 1, Tier.BASIC, tokens, max_tokens=100, timeout_s=120, shared=shared)
 
 
 def _fill(reserve: TierReserve, tier: Tier, count: int, start: int = 0) -> None:
@@ -54,16 +58,16 @@ def test_a_tier_whose_share_rounds_to_nothing_still_gets_a_slot() -> None:
 def test_lower_tiers_keep_within_their_share_of_the_kv_cache() -> None:
     reserve = TierReserve(DEFAULT_TIER_POLICIES, slots=100, kv_tokens=10_000)
     for _ in range(6):
-        reserve.job_started(Tier.BASIC, 1_000)  # 6,000 of basic's 7,000 tokens
+        reserve.job_started(_run(1_000))  # 6,000 of basic's 7,000 tokens
     _fill(reserve, Tier.BASIC, 6)
 
     left = reserve.left()
     assert left[Tier.BASIC] == 1  # room for one more job of the size it holds
     assert left[Tier.STANDARD] == 2
-    reserve.job_started(Tier.BASIC, 1_000)
+    reserve.job_started(_run(1_000))
     assert reserve.left()[Tier.BASIC] == 0
 
-    reserve.job_ended(Tier.BASIC, 1_000)
+    reserve.job_ended(_run(1_000))
     assert reserve.left()[Tier.BASIC] == 1
 
 
@@ -71,15 +75,15 @@ def test_a_prefix_that_jobs_share_counts_once_while_any_of_them_runs() -> None:
     reserve = TierReserve(DEFAULT_TIER_POLICIES, slots=100, kv_tokens=10_000)
     document = ("prefix-id", 1_500)
     for _ in range(20):  # 1,500 shared + 20 x 100 own = 3,500 of basic's 7,000 tokens
-        reserve.job_started(Tier.BASIC, 1_600, document)
+        reserve.job_started(_run(1_600, document))
     _fill(reserve, Tier.BASIC, 20)
     assert reserve.left()[Tier.BASIC] == 20  # 3,500 tokens left, 175 per job held
 
     for _ in range(19):
-        reserve.job_ended(Tier.BASIC, 1_600, document)
+        reserve.job_ended(_run(1_600, document))
     assert reserve.left()[Tier.BASIC] == 3  # one job, still holding the document: 1,600 tokens
-    reserve.job_ended(Tier.BASIC, 1_600, document)
-    reserve.job_started(Tier.BASIC, 1_000)
+    reserve.job_ended(_run(1_600, document))
+    reserve.job_started(_run(1_000))
     assert reserve.left()[Tier.BASIC] == 6  # the document's tokens went with its last job
 
 

@@ -5,7 +5,9 @@ In one run, the same workload on two fresh stacks that differ only in `INFERQ_ED
 (`--max-tokens` tokens each) submitted in batches of 100 while the worker is busy, so they
 wait. Reported per stack: jobs/s (first submitted → last finished), queue wait p50/p95, and
 Redis commands per job (all of them, from the stack's own redis-server: API, worker and
-scheduler), with BRPOP and bulk takes counted apart.
+scheduler), with BRPOP and bulk takes counted apart, and split into the commands the processes
+send and those their Lua scripts run inside Redis (read from MONITOR: one round trip can run
+many commands in a script, so the two measure different costs).
 
 Run: `.venv/bin/python bench/edge_batching.py [--jobs 1000 --max-tokens 1]`.
 """
@@ -17,6 +19,7 @@ import asyncio
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,35 @@ SETTINGS = (("one per BRPOP", "1"), ("edge batch 32", "32"))
 def _command_calls(client: redis.Redis) -> dict[str, int]:
     stats: dict[str, Any] = client.info("commandstats")
     return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+class ScriptCommands:
+    """Counts the commands Lua scripts run in a Redis, from its MONITOR feed, in a thread."""
+
+    STOP = "inferq-bench-monitor-stop"
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.count = 0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> ScriptCommands:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
+        self.client.echo(self.STOP)  # wakes the feed's read
+        self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        with self.client.monitor() as feed:
+            for command in feed.listen():
+                if command["client_type"] == "lua":
+                    self.count += 1
+                elif self._stopping.is_set() and self.STOP in command["command"]:
+                    return
 
 
 async def run(api_url: str, key: str, jobs: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -112,30 +144,43 @@ def main(argv: list[str] | None = None) -> int:
             running_stack(settings, free_port(), env) as (api_url, key, _),
         ):
             before = _command_calls(client)
-            done = asyncio.run(run(api_url, key, args.jobs, args.max_tokens))
+            with ScriptCommands(client) as in_scripts:
+                done = asyncio.run(run(api_url, key, args.jobs, args.max_tokens))
             after = _command_calls(client)
         calls = {name: after[name] - before.get(name, 0) for name in after}
+        calls["monitor"] = calls.get("monitor", 0) - 1  # the bench's own
+        calls["echo"] = calls.get("echo", 0) - 1
+        total = sum(calls.values())
         waits = [job["timings"]["queue_s"] for job in done if job["timings"]["queue_s"]]
         results[label] = {
             "jobs_per_s": round(len(done) / _span_s(done), 1),
             "succeeded": sum(job["status"] == "succeeded" for job in done),
             "queue_wait_p50_s": round(percentile(waits, 50), 3),
             "queue_wait_p95_s": round(percentile(waits, 95), 3),
-            "redis_commands_per_job": round(sum(calls.values()) / len(done), 1),
+            "redis_commands_per_job": round(total / len(done), 1),
+            "sent_per_job": round((total - in_scripts.count) / len(done), 1),
+            "run_in_scripts_per_job": round(in_scripts.count / len(done), 1),
             "brpop_per_job": round(calls.get("brpop", 0) / len(done), 2),
             "lua_script_calls_per_job": round(
                 (calls.get("evalsha", 0) + calls.get("eval", 0)) / len(done), 2
             ),
+            # Where they go: each command's calls per job, the most frequent first.
+            "commands_per_job_by_name": {
+                name: round(count / len(done), 2)
+                for name, count in sorted(calls.items(), key=lambda item: -item[1])
+                if count
+            },
         }
         print(f"{label}: {results[label]}", flush=True)
     shutil.rmtree(work_root, ignore_errors=True)
 
     header = f"{'setting':<16}{'jobs/s':>8}{'wait p50':>10}{'wait p95':>10}{'cmds/job':>10}"
-    print(f"\n{header}{'BRPOP/job':>11}")
+    print(f"\n{header}{'sent':>7}{'in Lua':>8}{'BRPOP/job':>11}")
     for label, r in results.items():
         print(
             f"{label:<16}{r['jobs_per_s']:>8}{r['queue_wait_p50_s']:>10}"
-            f"{r['queue_wait_p95_s']:>10}{r['redis_commands_per_job']:>10}{r['brpop_per_job']:>11}"
+            f"{r['queue_wait_p95_s']:>10}{r['redis_commands_per_job']:>10}{r['sent_per_job']:>7}"
+            f"{r['run_in_scripts_per_job']:>8}{r['brpop_per_job']:>11}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     chart = args.out / "edge_batching.png"

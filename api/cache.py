@@ -27,15 +27,20 @@ log = logging.getLogger(__name__)
 
 
 def cache_key_for(
-    services: Services, prompt_digest: Callable[[], str], sampling: dict[str, Any], use: bool
+    services: Services,
+    model: str,
+    prompt_digest: Callable[[], str],
+    sampling: dict[str, Any],
+    use: bool,
 ) -> str | None:
     """The job's result-cache key; None when the job is not deterministic or opted out.
 
+    `model`: the job's (an adapter's name makes other text than the served model's).
     `prompt_digest` gives the prompt's digest, called only when the job has a key.
     """
     if not use or services.settings.result_cache_ttl_s <= 0 or not is_deterministic(sampling):
         return None
-    return request_key(services.model.name, prompt_digest(), sampling)
+    return request_key(model, prompt_digest(), sampling)
 
 
 async def fill_from_cache(services: Services, batch: list[NewJob]) -> list[NewJob]:

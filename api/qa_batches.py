@@ -71,6 +71,12 @@ class QaBatchCreate(BaseModel):
         description="Send the filled template as a plain prompt, without the model's chat "
         "template (for base models, or templates of your own).",
     )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="The served model (the default) or a registered LoRA adapter of it.",
+    )
     max_tokens: int | None = Field(default=None, gt=0)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -109,6 +115,7 @@ class QaBatchCreate(BaseModel):
         """The job that answers one question."""
         text = self.prompt(document, question)
         return JobCreate(
+            model=self.model,
             prompt=text if self.raw else None,
             messages=None if self.raw else self._messages(text),
             max_tokens=self.max_tokens,

@@ -37,6 +37,13 @@ class JobCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="The served model (the default) or a registered LoRA adapter of it; "
+        "GET /v1/models lists them.",
+    )
     prompt: str | None = Field(default=None, min_length=1, description="The text to continue.")
     messages: list[Message] | None = Field(
         default=None,
@@ -139,7 +146,9 @@ class JobOut(BaseModel):
     object: Literal["job"] = "job"
     status: str
     tier: str
-    model: str | None = Field(description="The served name of the model that runs the job.")
+    model: str | None = Field(
+        description="What the job runs on: the served model's name, or its LoRA adapter's."
+    )
     created_at: datetime
     text: str | None
     finish_reason: str | None

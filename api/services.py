@@ -13,6 +13,7 @@ from api.admission import QueueStateReader
 from api.batcher import SubmissionBatcher
 from api.final_events import FinalEvents
 from api.job_reads import JobReads
+from core.adapters import AdapterStore
 from core.apikeys import KeyStore, Principal
 from core.db import Database
 from core.events import AsyncEventPublisher
@@ -71,6 +72,7 @@ class Services:
     queue_state: QueueStateReader
     finals: FinalEvents
     reads: JobReads
+    adapters: AdapterStore
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -113,6 +115,7 @@ class Services:
             queue_state=QueueStateReader(client),
             finals=FinalEvents(client),
             reads=JobReads(jobs),
+            adapters=AdapterStore(db),
         )
 
     async def close(self) -> None:

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.admission import admit_to_queue
 from api.cache import announce_cached, cache_key_for, fill_from_cache
+from api.catalog import check_models
 from api.openai.chat_prompt import render_chat
 from api.schemas import JobCreate
 from api.services import Services
@@ -94,6 +95,7 @@ async def submit_job(
     the same moment (see `api.batcher`).
     """
     with tracer().start_as_current_span("inferq.submit", kind=SpanKind.PRODUCER) as span:
+        await check_models(services, [body.model])
         headers = current_headers()
         if body.text_length() <= INLINE_PROMPT_CHARS:  # a hop to a thread costs more
             new = new_job(services, principal, body, idempotency_key, headers)
@@ -164,6 +166,7 @@ async def submit_jobs(
     """
     with tracer().start_as_current_span("inferq.submit_batch", kind=SpanKind.PRODUCER) as span:
         span.set_attribute("inferq.jobs", len(bodies))
+        await check_models(services, {body.model for body in bodies})
         headers = current_headers()
         batch = await run_in_threadpool(_new_jobs, services, principal, bodies, headers, prompts)
         if batch_row is not None:
@@ -306,23 +309,26 @@ def _job_of(
     policy = services.settings.tier_policy(principal.tier)
     request_hash = None
     if idempotency_key is not None:
-        canonical = json.dumps(body.model_dump(), sort_keys=True)
+        # Without a model the hash is the one stored before jobs could name one.
+        fields = body.model_dump(exclude={"model"} if body.model is None else None)
+        canonical = json.dumps(fields, sort_keys=True)
         request_hash = hashlib.sha256(canonical.encode()).hexdigest()
     timeout_s = body.timeout_s or policy.timeout_s
     sampling = body.sampling_params(max_tokens)
+    model = body.model or services.model.name  # `check_models` let it through
     return NewJob(
         owner=principal.owner,
         tier=principal.tier.value,
         prompt=prompt.rest,
         prompt_prefix=prompt.prefix,
-        model=services.model.name,
+        model=model,
         sampling_params=sampling,
         timeout_s=timeout_s,
         queue_timeout_s=policy.queue_limit_s(timeout_s),
         prompt_tokens=prompt.tokens,
         idempotency_key=idempotency_key,
         request_hash=request_hash,
-        cache_key=cache_key_for(services, prompt.digest, sampling, body.cache),
+        cache_key=cache_key_for(services, model, prompt.digest, sampling, body.cache),
         trace_headers=trace_headers or {},
     )
 

@@ -217,6 +217,17 @@ class JobStore:
             **_QUEUE_TIMEOUT,
         )
 
+    def fail_if_queued(self, job_id: str, error_code: str, message: str) -> bool:
+        """End a job that cannot run here without touching the engine."""
+        return self._transition(
+            job_id,
+            {JobStatus.QUEUED},
+            status=JobStatus.FAILED.value,
+            finished_at=utcnow(),
+            error_code=error_code,
+            error_message=message,
+        )
+
     def expire_overdue(self, now: datetime) -> list[tuple[str, str]]:
         """End every queued job whose queue deadline has passed; returns their (id, tier)."""
         with self.db.session() as session:

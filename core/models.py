@@ -1,4 +1,4 @@
-"""SQLAlchemy models: the durable record of jobs and API keys."""
+"""SQLAlchemy models: the durable record of jobs, batches, API keys and LoRA adapters."""
 
 from __future__ import annotations
 
@@ -129,6 +129,21 @@ class PromptPrefix(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class LoraAdapter(Base):
+    """A LoRA adapter of the served model, selected by naming it as a job's model."""
+
+    __tablename__ = "lora_adapters"
+    # The engine's id for the adapter: a name registered again gets a new one, so a worker
+    # never serves the old weights under it (SQLite would reuse the last row's id).
+    __table_args__ = {"sqlite_autoincrement": True}
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    path: Mapped[str] = mapped_column(Text)
+    rank: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class ApiKey(Base):
     """An API key: only its SHA-256 hash is stored; the key itself is shown once."""
 
@@ -207,5 +222,5 @@ class StoredFile(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-SCHEMA_REVISION = "0009"
+SCHEMA_REVISION = "0010"
 """The Alembic head this code expects; /readyz compares it with the database."""

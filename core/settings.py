@@ -54,6 +54,18 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = Field(default=True, description="vLLM automatic prefix cache.")
     max_num_seqs: int = Field(default=256, description="vLLM's running batch size limit.")
     cpu_kvcache_space_gb: int = Field(default=1, description="KV cache size on the CPU build.")
+    lora: bool = Field(
+        default=False,
+        description="Serve the registered LoRA adapters (`inferq adapters`): jobs may name one "
+        "as their model. The API refuses adapters while it is off; vLLM's CPU build runs "
+        "without torch.compile with it on.",
+    )
+    lora_max_rank: int = Field(
+        default=16, ge=1, description="The highest adapter rank the workers' engines hold."
+    )
+    lora_max_active: int = Field(
+        default=4, ge=1, description="Adapters one engine step may mix (vLLM's max_loras)."
+    )
     cpu_engine_nice: int = Field(
         default=10,
         ge=0,

@@ -14,6 +14,7 @@ import click
 
 from core.settings import Settings, get_settings
 from core.tiers import Tier
+from inferq.adapters import adapters
 from inferq.batch import batch
 from inferq.submit import submit
 
@@ -375,5 +376,6 @@ def _redacted(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+main.add_command(adapters)
 main.add_command(batch)
 main.add_command(submit)

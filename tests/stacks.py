@@ -34,14 +34,16 @@ def running_stack(
     model_dir: Path,
     otlp_endpoint: str,
     max_model_len: int | None = TINY_CONTEXT,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Stack]:
     """A worker, the API and the scheduler on `redis_url` (emptied first) and `database_url`.
 
-    `max_model_len` None: the model's own. On the way out it stops them and prints the tail of
-    each one's log, for the test report.
+    `max_model_len` None: the model's own; `env`: more settings for all three. On the way out
+    it stops them and prints the tail of each one's log, for the test report.
     """
     redis.Redis.from_url(redis_url).flushdb()
     local = start_stack(tmp, redis_url, database_url, model_dir, otlp_endpoint, max_model_len)
+    local.env.update(env or {})
     port, metrics_port = free_port(), free_port()
     local.start(
         "worker",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
+from core.adapters import Adapter
 from core.states import JobStatus
 
 
@@ -22,6 +23,8 @@ class GenerationRequest:
     timeout_s: float
     job_id: str = ""
     attempt: int = 0
+    adapter: Adapter | None = None
+    """The LoRA adapter to run with; None: the base model."""
 
 
 @dataclass

@@ -88,8 +88,11 @@ class MergingEngine:
 
     def submit_merging(self, request: GenerationRequest) -> tuple[Future[GenerationResult], bool]:
         """Like `submit`; also says whether the request joined one already in the engine."""
+        adapter = request.adapter.name if request.adapter is not None else ""
         key = (
-            request_key("", text_digest(request.prompt), request.sampling) if self.enabled else None
+            request_key(adapter, text_digest(request.prompt), request.sampling)
+            if self.enabled
+            else None
         )
         if key is None:  # not mergeable: straight to the engine
             return self._engine.submit(request), False

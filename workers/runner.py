@@ -34,7 +34,8 @@ from workers.metrics import WorkerStats
 from workers.outcomes import OutcomeRecorder
 from workers.pace import DeadlinePace
 from workers.reserve import EngineRun, TierReserve
-from workers.starting import UNAVAILABLE, JobStarter, RunningJobs, Started, StartOutcome
+from workers.running import RunningJobs
+from workers.starting import UNAVAILABLE, JobStarter, Started, StartOutcome
 from workers.streams import DeltaPublisher
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ import redis
 from sqlalchemy.exc import OperationalError
 
 from core import keys
+from core.adapters import Adapter, AdapterStore
 from core.events import Event, EventPublisher
 from core.jobs import JobStore
 from core.logs import job_fields
@@ -32,6 +33,7 @@ from core.settings import Settings
 from core.states import JobStatus
 from core.tiers import Tier, engine_priority
 from core.workernames import lease_token
+from workers.adapters import JobAdapters, Refusal
 from workers.generation import GenerationRequest, GenerationResult
 from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
@@ -39,6 +41,7 @@ from workers.metrics import WorkerStats, observe_ended_unrun, observe_start
 from workers.outcomes import OutcomeRecorder
 from workers.reserve import EngineRun, TierReserve
 from workers.resume import Resume, joined_when_done, read_resumes
+from workers.running import RunningJobs
 from workers.streams import DeltaPublisher
 
 log = logging.getLogger(__name__)
@@ -56,39 +59,6 @@ class Started:
     token: str
     request_id: str
     generation: Future[GenerationResult]
-
-
-class RunningJobs:
-    """The engine request of every job running in this worker, safe to change from any thread.
-
-    The starter adds a job's request, a generation's callback removes it, and the heartbeat,
-    cancels and watches read it, each on a thread of its own.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._requests: dict[str, str] = {}
-
-    def add(self, job_id: str, request_id: str) -> None:
-        """The job now runs as `request_id` (a later attempt replaces an earlier one)."""
-        with self._lock:
-            self._requests[job_id] = request_id
-
-    def end(self, job_id: str, request_id: str) -> None:
-        """`request_id` has ended; the job stays listed if a later attempt runs it now."""
-        with self._lock:
-            if self._requests.get(job_id) == request_id:
-                del self._requests[job_id]
-
-    def request_of(self, job_id: str) -> str | None:
-        """The engine request the job runs as here, if it runs here."""
-        with self._lock:
-            return self._requests.get(job_id)
-
-    def job_ids(self) -> list[str]:
-        """The jobs running here now."""
-        with self._lock:
-            return list(self._requests)
 
 
 # What the starter answers for one job: started, ended without the engine, or skipped (None).
@@ -142,6 +112,7 @@ class JobStarter:
         self._cancel = cancel
         self._watch = watch
         self._prefixes = StoredPrefixes(store.db)
+        self._adapters = JobAdapters(AdapterStore(store.db), settings.model_name, settings.lora)
         self._to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._start_loop, name="inferq-starter", daemon=True)
         self._thread.start()
@@ -201,7 +172,8 @@ class JobStarter:
                 self._stale_leases.add(job_id, [tokens[job_id]])
             raise
         try:
-            started = self._start_claimed(jobs, claimed, answers)
+            adapters, refused = self._adapters.resolve(jobs[job_id] for job_id in claimed)
+            started = self._start_claimed(jobs, claimed, answers, refused)
             prompts = self._prefixes.prompts(list(started.values()))
         except Exception:
             # Nothing started: free the leases, or a retry would find the jobs "running".
@@ -224,7 +196,9 @@ class JobStarter:
         submitted = []
         for job in started.values():
             try:
-                generation = self._submit(job, prompts[job.id], resumes.get(job.id))
+                generation = self._submit(
+                    job, prompts[job.id], resumes.get(job.id), adapters.get(job.id)
+                )
             except Exception:  # not in the engine: its lease goes, and the reaper hands it on
                 log.exception("job %s: the engine did not take it", job.id)
                 self._running.end(job.id, _request_id(job))
@@ -238,20 +212,26 @@ class JobStarter:
         return answers
 
     def _start_claimed(
-        self, jobs: dict[str, Job], claimed: dict[str, bool], answers: dict[str, StartOutcome]
+        self,
+        jobs: dict[str, Job],
+        claimed: dict[str, bool],
+        answers: dict[str, StartOutcome],
+        refused: dict[str, Refusal],
     ) -> dict[str, Job]:
         """End the claimed jobs that must not run (into `answers`); start the others."""
         to_start = []
         for job_id, cancel_requested in claimed.items():
-            ended = self._end_without_engine(jobs[job_id], cancel_requested)
+            ended = self._end_without_engine(jobs[job_id], cancel_requested, refused.get(job_id))
             if ended is not None:
                 answers[job_id] = ended
             else:
                 to_start.append(job_id)
         return {job.id: job for job in self.store.start_attempts(to_start, self.worker_name)}
 
-    def _end_without_engine(self, job: Job, cancel_requested: bool) -> JobStatus | None:
-        """Cancel or expire a claimed job that must not run; None if it should start."""
+    def _end_without_engine(
+        self, job: Job, cancel_requested: bool, refusal: Refusal | None
+    ) -> JobStatus | None:
+        """Cancel, expire or fail a claimed job that must not run; None if it should start."""
         if cancel_requested and self.store.cancel_if_queued(job.id):
             observe_ended_unrun(job.tier, JobStatus.CANCELLED)
             self.outcomes.publish_final(job.id, JobStatus.CANCELLED)
@@ -260,10 +240,15 @@ class JobStarter:
             observe_ended_unrun(job.tier, JobStatus.TIMED_OUT)
             self.outcomes.publish_final(job.id, JobStatus.TIMED_OUT, error_code="queue_timeout")
             return JobStatus.TIMED_OUT
+        if refusal is not None and self.store.fail_if_queued(job.id, **vars(refusal)):
+            log.warning("job %s cannot run here: %s", job.id, refusal.message)
+            observe_ended_unrun(job.tier, JobStatus.FAILED)
+            self.outcomes.publish_final(job.id, JobStatus.FAILED, error_code=refusal.error_code)
+            return JobStatus.FAILED
         return None
 
     def _submit(
-        self, job: Job, prompt: str, resume: Resume | None = None
+        self, job: Job, prompt: str, resume: Resume | None, adapter: Adapter | None
     ) -> Future[GenerationResult]:
         request = GenerationRequest(
             request_id=_request_id(job),
@@ -273,6 +258,7 @@ class JobStarter:
             timeout_s=max(_remaining_s(job), 0.001),
             job_id=job.id,
             attempt=job.attempt,
+            adapter=adapter,
         )
         self._running.add(job.id, request.request_id)
         generation, merged = self.engine.submit_merging(request)

@@ -120,3 +120,42 @@ def _shape_output(model: Any) -> None:
         preference.fill_(-1.0)
         preference[list(WRITABLE_BYTES)] = 1.0
         preference[BYTE_TOKENS + 1] = 0.8  # end-of-sequence: possible, but rare
+
+
+ADAPTER_TARGETS = ("q_proj", "v_proj")
+
+
+def init_tiny_adapter(directory: Path, *, seed: int = 1, rank: int = 8) -> Path:
+    """Write a LoRA adapter of the tiny model (PEFT's layout, random weights) into `directory`.
+
+    Its weights are large enough to change what the model writes: a test of adapters can tell
+    an adapted job's text from the base model's.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    head_dim = HIDDEN_SIZE // NUM_HEADS
+    out_features = {"q_proj": NUM_HEADS * head_dim, "v_proj": NUM_KV_HEADS * head_dim}
+    weights = {}
+    for layer in range(NUM_LAYERS):
+        for target in ADAPTER_TARGETS:
+            name = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            a = torch.randn(rank, HIDDEN_SIZE, generator=generator) * 0.5
+            b = torch.randn(out_features[target], rank, generator=generator) * 0.5
+            weights[f"{name}.lora_A.weight"], weights[f"{name}.lora_B.weight"] = a, b
+    save_file(weights, str(directory / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(ADAPTER_TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": TINY_MODEL_NAME,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return directory

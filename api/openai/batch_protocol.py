@@ -10,6 +10,7 @@ The result records and the batch object follow OpenAI's shapes. The lifecycle is
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -173,18 +174,21 @@ def _parse_line(raw: bytes, number: int, position: int, endpoint: str) -> Reques
     return RequestLine(number, position, custom_id, body)
 
 
-def line_job(request: RequestLine, endpoint: str, model: ModelInfo) -> JobCreate:
-    """The job a request line asks for, validated as the live endpoint validates its body.
+def line_job(
+    request: RequestLine, endpoint: str, model: ModelInfo, adapters: Collection[str] = ()
+) -> JobCreate:
+    """The job a request line asks for, validated as the live endpoint validates its body
+    (its model the served one or one of `adapters`).
 
     Raises the endpoint's `ClientError`, with `param` under `body.`.
     """
     try:
         if endpoint == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(request.body)
-            _check_batchable(chat.stream, chat.model, model)
+            _check_batchable(chat.stream, chat.model, model, adapters)
             return chat.to_job(render_chat(model, chat.message_dicts()))
         completion = CompletionRequest.model_validate(request.body)
-        _check_batchable(completion.stream, completion.model, model)
+        _check_batchable(completion.stream, completion.model, model, adapters)
         return completion.to_job()
     except ValidationError as exc:
         param, message = describe_validation_error(dict(exc.errors()[0]))
@@ -194,10 +198,12 @@ def line_job(request: RequestLine, endpoint: str, model: ModelInfo) -> JobCreate
         raise
 
 
-def _check_batchable(stream: bool | None, requested: str, model: ModelInfo) -> None:
+def _check_batchable(
+    stream: bool | None, requested: str, model: ModelInfo, adapters: Collection[str]
+) -> None:
     if stream:
         raise InvalidRequest("stream is not supported in a batch.", param="stream")
-    check_model(model.name, requested)
+    check_model(model.name, requested, adapters)
 
 
 def invalid_line(request: RequestLine, error: ClientError) -> InvalidLine:
@@ -281,7 +287,7 @@ def result_records(
             continue
         job = next(pending)
         if job.status == JobStatus.SUCCEEDED.value:
-            output.append(output_record(job, model, kind))
+            output.append(output_record(job, job.model or model, kind))
         else:
             errors.append(job_error_record(job))
     return output, errors

@@ -103,9 +103,10 @@ def _validate_requests(
     bodies: list[JobCreate] = []
     custom_ids: list[str] = []
     rejected = list(invalid)
+    adapters = {a.name for a in services.adapters.all()} if services.settings.lora else set()
     for request in requests:
         try:
-            job_body = line_job(request, endpoint, services.model)
+            job_body = line_job(request, endpoint, services.model, adapters)
             new_job(services, principal, job_body, None)
         except ClientError as exc:
             rejected.append(invalid_line(request, exc))

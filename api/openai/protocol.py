@@ -8,6 +8,7 @@ in `api.openai.router`.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -56,7 +57,9 @@ class _GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str = Field(description="The served model's id (see GET /v1/models).")
+    model: str = Field(
+        description="The served model's id, or a registered LoRA adapter's (see GET /v1/models)."
+    )
     max_tokens: int | None = Field(default=None, description="Default and cap from the tier.")
     temperature: float | None = None
     top_p: float | None = None
@@ -90,6 +93,7 @@ class _GenerationRequest(BaseModel):
     def job_body(self, prompt: str, max_tokens: int | None) -> JobCreate:
         """The job for `prompt`, validated as `POST /v1/jobs` validates a body."""
         fields = {
+            "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": self.temperature,
@@ -186,24 +190,31 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.job_body(prompt, self.max_completion_tokens or self.max_tokens)
 
 
-def check_model(served: str, requested: str) -> None:
-    """404 `model_not_found` unless `requested` is the served model."""
-    if requested != served:
+def check_model(served: str, requested: str, adapters: Collection[str] = ()) -> None:
+    """404 `model_not_found` unless `requested` is the served model or one of `adapters`."""
+    if requested != served and requested not in adapters:
         raise ModelNotFound(
-            f"The model '{requested}' does not exist; this server serves '{served}'.",
+            f"The model '{requested}' does not exist; this server serves '{served}'"
+            + (" and the adapters that GET /v1/models lists." if adapters else "."),
             param="model",
         )
 
 
-def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
-    """The served model as `GET /v1/models` lists it."""
-    return {
+def model_card(
+    name: str, created: int, max_model_len: int, parent: str | None = None
+) -> dict[str, Any]:
+    """A model as `GET /v1/models` lists it; an adapter names the model it adapts (`parent`,
+    as vLLM's server lists its LoRA modules)."""
+    card: dict[str, Any] = {
         "id": name,
         "object": "model",
         "created": created,
         "owned_by": "inferq",
         "max_model_len": max_model_len,
     }
+    if parent is not None:
+        card["parent"] = parent
+    return card
 
 
 def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int]:

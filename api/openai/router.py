@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from api.catalog import check_models, served_adapters
 from api.deps import PrincipalDep, ServicesDep
 from api.openai.chat_prompt import render_chat
 from api.openai.protocol import (
@@ -36,24 +37,30 @@ _STREAM_DOC: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _card(services: Services) -> dict[str, Any]:
+async def _cards(services: Services) -> list[dict[str, Any]]:
     model = services.model
-    return model_card(model.name, model.created, model.max_model_len)
+    served = model_card(model.name, model.created, model.max_model_len)
+    adapters = [
+        model_card(adapter.name, model.created, model.max_model_len, parent=model.name)
+        for adapter in await served_adapters(services)
+    ]
+    return [served, *adapters]
 
 
 @router.get("/models")
 async def list_models(_principal: PrincipalDep, services: ServicesDep) -> dict[str, Any]:
-    """The one model this deployment serves, in OpenAI's list format."""
-    return {"object": "list", "data": [_card(services)]}
+    """The served model and its registered LoRA adapters, in OpenAI's list format."""
+    return {"object": "list", "data": await _cards(services)}
 
 
 @router.get("/models/{model_id:path}", responses=error_responses(404))
 async def retrieve_model(
     model_id: str, _principal: PrincipalDep, services: ServicesDep
 ) -> dict[str, Any]:
-    """The served model; 404 `model_not_found` for any other id."""
-    check_model(services.model.name, model_id)
-    return _card(services)
+    """The served model or one of its adapters; 404 `model_not_found` for any other id."""
+    cards = {card["id"]: card for card in await _cards(services)}
+    check_model(services.model.name, model_id, cards)
+    return cards[model_id]
 
 
 @router.post("/completions", responses=_STREAM_DOC)
@@ -61,7 +68,6 @@ async def create_completion(
     body: CompletionRequest, request: Request, principal: PrincipalDep, services: ServicesDep
 ) -> Response:
     """Continue a prompt: a job on the caller's tier, answered as an OpenAI completion."""
-    check_model(services.model.name, body.model)
     job_body = body.to_job()
     return await _serve(
         services, principal, request, job_body, "text_completion", body.stream, body.include_usage
@@ -73,7 +79,7 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, principal: PrincipalDep, services: ServicesDep
 ) -> Response:
     """The assistant's reply to `messages` (rendered with the model's chat template)."""
-    check_model(services.model.name, body.model)
+    await check_models(services, [body.model])  # before the prompt is rendered
     prompt = render_chat(services.model, body.message_dicts())
     job_body = body.to_job(prompt)
     return await _serve(
@@ -91,7 +97,7 @@ async def _serve(
     include_usage: bool,
 ) -> Response:
     job, _ = await submit_job(services, principal, job_body, None)
-    model = services.model.name
+    model = job.model or services.model.name
     if stream:
         return completion_stream(services, job, principal.owner, model, kind, include_usage)
     final = await wait_for_job(services, request, job, principal.owner)

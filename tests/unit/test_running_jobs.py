@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from workers.starting import RunningJobs
+from workers.running import RunningJobs
 
 
 def test_an_earlier_attempt_ending_keeps_the_later_attempt_listed() -> None:

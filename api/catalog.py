@@ -1,0 +1,51 @@
+"""The models a job may name: the served model, and its registered LoRA adapters.
+
+A job names its model (`model` in every body; the served model when left out). Any other name
+must be a registered adapter (`core.adapters`), and the deployment must serve adapters
+(`INFERQ_LORA`); else the request is refused before anything is stored. A request for the
+served model costs no lookup; one naming adapters costs one database read for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from starlette.concurrency import run_in_threadpool
+
+from api.services import Services
+from core.adapters import Adapter
+from core.errors import ModelNotFound
+
+
+async def check_models(services: Services, names: Iterable[str | None]) -> None:
+    """Raise ModelNotFound unless every name is the served model or a registered adapter."""
+    served = services.model.name
+    wanted = {name for name in names if name is not None and name != served}
+    if not wanted:
+        return
+    found = (
+        await run_in_threadpool(services.adapters.named, wanted) if services.settings.lora else {}
+    )
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise ModelNotFound(_not_served(services, missing[0]), param="model")
+
+
+async def served_adapters(services: Services) -> list[Adapter]:
+    """The adapters jobs may name now (none while the deployment serves no adapters)."""
+    if not services.settings.lora:
+        return []
+    return await run_in_threadpool(services.adapters.all)
+
+
+def _not_served(services: Services, name: str) -> str:
+    served = services.model.name
+    if not services.settings.lora:
+        return (
+            f"The model '{name}' does not exist; this server serves '{served}' and no adapters "
+            "(INFERQ_LORA is off)."
+        )
+    return (
+        f"The model '{name}' does not exist; this server serves '{served}' and the adapters "
+        "that GET /v1/models lists."
+    )

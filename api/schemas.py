@@ -44,6 +44,20 @@ class JobCreate(BaseModel):
         description="The served model (the default) or a registered LoRA adapter of it; "
         "GET /v1/models lists them.",
     )
+    experiment: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        description="An A/B experiment to run the job in: one of its variants, chosen by "
+        "`user`, sets the job's model and sampling (over what the request says).",
+    )
+    user: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="Who the job is for; an experiment gives one user one variant (default: "
+        "the key's owner).",
+    )
     prompt: str | None = Field(default=None, min_length=1, description="The text to continue.")
     messages: list[Message] | None = Field(
         default=None,
@@ -161,6 +175,9 @@ class JobOut(BaseModel):
         "null until the job has ended."
     )
     error: JobErrorOut | None
+    experiment: str | None = None
+    variant: str | None = Field(default=None, description="The experiment's variant it ran as.")
+    feedback_score: float | None = None
 
     @classmethod
     def from_job(cls, job: Job) -> JobOut:
@@ -192,10 +209,21 @@ class JobOut(BaseModel):
             sampling_params=job.sampling_params,
             attempt=job.attempt,
             served_from=job.served_from,
+            experiment=job.experiment,
+            variant=job.variant,
+            feedback_score=job.feedback_score,
             error=JobErrorOut(code=job.error_code, message=job.error_message or "")
             if job.error_code
             else None,
         )
+
+
+class FeedbackCreate(BaseModel):
+    """A client's score for a job's answer, for its experiment's report."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    score: float = Field(ge=-1e6, le=1e6, description="Any scale the experiment's owner reads.")
 
 
 class JobList(BaseModel):

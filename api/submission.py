@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from api.admission import admit_to_queue
 from api.cache import announce_cached, cache_key_for, fill_from_cache
 from api.catalog import check_models
+from api.experiments import with_variant
 from api.openai.chat_prompt import render_chat
 from api.schemas import JobCreate
 from api.services import Services
@@ -95,7 +96,6 @@ async def submit_job(
     the same moment (see `api.batcher`).
     """
     with tracer().start_as_current_span("inferq.submit", kind=SpanKind.PRODUCER) as span:
-        await check_models(services, [body.model])
         headers = current_headers()
         if body.text_length() <= INLINE_PROMPT_CHARS:  # a hop to a thread costs more
             new = new_job(services, principal, body, idempotency_key, headers)
@@ -103,6 +103,7 @@ async def submit_job(
             new = await run_in_threadpool(
                 new_job, services, principal, body, idempotency_key, headers
             )
+        await check_models(services, [new.model])
         if idempotency_key is not None:
             existing = await run_in_threadpool(services.jobs.replay, new)
             if existing is not None:  # a replay costs no quota
@@ -166,9 +167,9 @@ async def submit_jobs(
     """
     with tracer().start_as_current_span("inferq.submit_batch", kind=SpanKind.PRODUCER) as span:
         span.set_attribute("inferq.jobs", len(bodies))
-        await check_models(services, {body.model for body in bodies})
         headers = current_headers()
         batch = await run_in_threadpool(_new_jobs, services, principal, bodies, headers, prompts)
+        await check_models(services, {new.model for new in batch})
         if batch_row is not None:
             batch = [
                 replace(
@@ -304,18 +305,19 @@ def _job_of(
     idempotency_key: str | None,
     trace_headers: dict[str, str] | None,
 ) -> NewJob:
+    request_hash = None
+    if idempotency_key is not None:
+        # Fields left out hash as they did before jobs could name a model or an experiment.
+        unset = {name for name in ("model", "experiment", "user") if getattr(body, name) is None}
+        canonical = json.dumps(body.model_dump(exclude=unset), sort_keys=True)
+        request_hash = hashlib.sha256(canonical.encode()).hexdigest()
+    body, arm = with_variant(services.settings, principal, body)
     max_tokens = check_against_tier(services, principal, body)
     check_context(services, prompt.tokens, max_tokens)
     policy = services.settings.tier_policy(principal.tier)
-    request_hash = None
-    if idempotency_key is not None:
-        # Without a model the hash is the one stored before jobs could name one.
-        fields = body.model_dump(exclude={"model"} if body.model is None else None)
-        canonical = json.dumps(fields, sort_keys=True)
-        request_hash = hashlib.sha256(canonical.encode()).hexdigest()
     timeout_s = body.timeout_s or policy.timeout_s
     sampling = body.sampling_params(max_tokens)
-    model = body.model or services.model.name  # `check_models` let it through
+    model = body.model or services.model.name  # `check_models` checks it before storing
     return NewJob(
         owner=principal.owner,
         tier=principal.tier.value,
@@ -330,6 +332,9 @@ def _job_of(
         request_hash=request_hash,
         cache_key=cache_key_for(services, model, prompt.digest, sampling, body.cache),
         trace_headers=trace_headers or {},
+        experiment=arm.experiment if arm else None,
+        variant=arm.variant if arm else None,
+        end_user=arm.user if arm else body.user,
     )
 
 

@@ -65,6 +65,12 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class ExperimentNotFound(NotFound):
+    """The request names an experiment that is not configured."""
+
+    code = "experiment_not_found"
+
+
 class Conflict(ClientError):
     """The resource's state forbids the request."""
 

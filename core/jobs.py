@@ -162,6 +162,16 @@ class JobStore:
             return None
         return Job(**row._mapping)
 
+    def set_feedback(self, job_id: str, owner: str, score: float) -> Job | None:
+        """Record the owner's score for the job's answer (a later one replaces it); None if
+        the owner has no such job."""
+        with self.db.session() as session:
+            job = session.get(Job, job_id)
+            if job is None or job.owner != owner:
+                return None
+            job.feedback_score = score
+            return job
+
     def get_many(self, job_ids: list[str]) -> dict[str, Job]:
         """The jobs that exist among `job_ids`, by id.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, Summary, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +22,29 @@ TTFT = Histogram(
     "Time from a job's submission to its first token.",
     ["tier"],
     buckets=_LATENCY_BUCKETS,
+)
+# A/B experiments (`core.experiments`): each variant's jobs, speed and feedback.
+EXPERIMENT_JOBS = Counter(
+    "inferq_experiment_jobs_total",
+    "Experiment jobs that ended, by variant and status.",
+    ["experiment", "variant", "status"],
+)
+EXPERIMENT_TTFT = Histogram(
+    "inferq_experiment_ttft_seconds",
+    "Time from an experiment job's submission to its first token, by variant.",
+    ["experiment", "variant"],
+    buckets=_LATENCY_BUCKETS,
+)
+EXPERIMENT_TOKENS_PER_SECOND = Histogram(
+    "inferq_experiment_tokens_per_second",
+    "Completion tokens per second of one experiment job, by variant.",
+    ["experiment", "variant"],
+    buckets=_RATE_BUCKETS,
+)
+EXPERIMENT_FEEDBACK = Summary(
+    "inferq_experiment_feedback_score",
+    "Scores clients posted for experiment jobs (sum / count: the mean), by variant.",
+    ["experiment", "variant"],
 )
 QUEUE_WAIT = Histogram(
     "inferq_queue_wait_seconds",

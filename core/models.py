@@ -68,6 +68,7 @@ class Job(Base):
         Index("ix_jobs_batch", "batch_id", "batch_index"),
         Index("ix_jobs_finished", "finished_at"),
         Index("ix_jobs_prompt_prefix", "prompt_prefix_id"),
+        Index("ix_jobs_experiment", "experiment", "variant"),
     )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
@@ -115,6 +116,12 @@ class Job(Base):
     batch_id: Mapped[str | None] = mapped_column(String(40))
     batch_index: Mapped[int | None] = mapped_column(Integer)
     custom_id: Mapped[str | None] = mapped_column(String(200))
+    # An A/B experiment's job (`core.experiments`): which variant it ran as, for whom, and the
+    # score a client gave its answer.
+    experiment: Mapped[str | None] = mapped_column(String(100))
+    variant: Mapped[str | None] = mapped_column(String(100))
+    end_user: Mapped[str | None] = mapped_column(String(200))
+    feedback_score: Mapped[float | None] = mapped_column(Float)
 
 
 class PromptPrefix(Base):
@@ -222,5 +229,5 @@ class StoredFile(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-SCHEMA_REVISION = "0010"
+SCHEMA_REVISION = "0011"
 """The Alembic head this code expects; /readyz compares it with the database."""

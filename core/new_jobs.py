@@ -42,6 +42,10 @@ class NewJob:
     custom_id: str | None = None
     # The stored beginning of the prompt, shared with other jobs of its batch.
     prompt_prefix: SharedPrefix | None = None
+    # An experiment's job: the variant it runs as, and the user it was chosen for.
+    experiment: str | None = None
+    variant: str | None = None
+    end_user: str | None = None
     id: str = field(default_factory=new_job_id)
     # The submitting request's trace context, for the message (not stored).
     trace_headers: dict[str, str] = field(default_factory=dict, compare=False)
@@ -70,6 +74,9 @@ class NewJob:
             "batch_id": self.batch_id,
             "batch_index": self.batch_index,
             "custom_id": self.custom_id,
+            "experiment": self.experiment,
+            "variant": self.variant,
+            "end_user": self.end_user,
             "served_from": ServedFrom.CACHE.value if cached else None,
             "output_text": cached.text if cached else None,
             "finish_reason": cached.finish_reason if cached else None,

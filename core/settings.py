@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from core.experiments import Experiment
 from core.tiers import DEFAULT_TIER_POLICIES, Tier, TierPolicy
 
 
@@ -62,6 +63,12 @@ class Settings(BaseSettings):
     )
     lora_max_rank: int = Field(
         default=16, ge=1, description="The highest adapter rank the workers' engines hold."
+    )
+    experiments: dict[str, Experiment] = Field(
+        default_factory=dict,
+        description="A/B experiments as JSON: name to variants, each a weight and what it sets "
+        '(model, temperature, top_p, max_tokens), e.g. {"tone": {"variants": {"control": '
+        '{"weight": 90}, "adapter": {"weight": 10, "model": "support-tone"}}}}.',
     )
     lora_max_active: int = Field(
         default=4, ge=1, description="Adapters one engine step may mix (vLLM's max_loras)."

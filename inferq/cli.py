@@ -16,6 +16,7 @@ from core.settings import Settings, get_settings
 from core.tiers import Tier
 from inferq.adapters import adapters
 from inferq.batch import batch
+from inferq.experiments import experiments
 from inferq.submit import submit
 
 log = logging.getLogger("inferq")
@@ -377,5 +378,6 @@ def _redacted(url: str) -> str:
 
 
 main.add_command(adapters)
+main.add_command(experiments)
 main.add_command(batch)
 main.add_command(submit)

@@ -15,6 +15,7 @@ from inferq.local import LocalStack, free_port
 from migrations import upgrade
 from tests.support import (
     BLOCKER_TOKENS,
+    EXPERIMENT,
     FLOWER_AUTH,
     LEASE_TTL_S,
     WORKER_CONCURRENCY,
@@ -102,6 +103,7 @@ def start_stack(
         # Long premium jobs keep the worker busy while a test builds a backlog behind them, and
         # outlive the slowest moments of a shared 2-core machine.
         INFERQ_TIERS=json.dumps({"premium": {"max_tokens": BLOCKER_TOKENS, "timeout_s": 300}}),
+        INFERQ_EXPERIMENTS=json.dumps({"greeting": EXPERIMENT}),
         INFERQ_LOG_LEVEL="INFO",
         # Short leases, so a killed worker's jobs are requeued within seconds.
         INFERQ_LEASE_TTL_S=str(LEASE_TTL_S),

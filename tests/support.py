@@ -39,6 +39,8 @@ WORKER_CONCURRENCY = 32
 BLOCKER_TOKENS = 16000
 """Long enough to keep a worker busy while a test builds a backlog (tens of seconds here)."""
 LEASE_TTL_S = 6
+EXPERIMENT = {"variants": {"control": {"weight": 90}, "short": {"weight": 10, "max_tokens": 2}}}
+"""The test stacks' A/B experiment, `greeting`: one user in ten gets two-token answers."""
 FLOWER_AUTH = "inferq-test:flower-secret"
 FINAL_STATES = ("succeeded", "failed", "cancelled", "timed_out")
 
@@ -200,6 +202,26 @@ class Stack:
                 return self.worker_stats()
             time.sleep(0.2)
         raise AssertionError(f"worker not idle after {timeout_s}s: {self.worker_stats()}")
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str) -> Samples:
+    """Every sample of a /metrics page, by name and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url, timeout=10).text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """One sample's value (0 if the page has none of that name and labels)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 def wait_final(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict[str, Any]:

@@ -18,6 +18,9 @@ from core.metrics import (
     CACHED_PROMPT_TOKENS,
     COMPLETION_TOKENS,
     DEVICE_MEMORY,
+    EXPERIMENT_JOBS,
+    EXPERIMENT_TOKENS_PER_SECOND,
+    EXPERIMENT_TTFT,
     JOB_TOKENS_PER_SECOND,
     JOBS_FINISHED,
     QUEUE_WAIT,
@@ -60,20 +63,32 @@ def observe_start(tier: str, created_at: datetime, started_at: datetime) -> None
 
 
 def observe_outcome(
-    tier: str, created_at: datetime, outcome: JobOutcome, finished_at: datetime
+    tier: str,
+    created_at: datetime,
+    outcome: JobOutcome,
+    finished_at: datetime,
+    arm: tuple[str, str] | None = None,
 ) -> None:
-    """A run ended and its outcome was stored."""
+    """A run ended and its outcome was stored; `arm`: its experiment and variant, if any."""
     JOBS_FINISHED.labels(tier, outcome.status.value).inc()
     COMPLETION_TOKENS.labels(tier).inc(outcome.completion_tokens)
+    if arm is not None:
+        EXPERIMENT_JOBS.labels(*arm, outcome.status.value).inc()
     if outcome.cached_prompt_tokens:
         CACHED_PROMPT_TOKENS.labels(tier).inc(outcome.cached_prompt_tokens)
     if outcome.first_token_at is None:
         return
     first = as_utc(outcome.first_token_at)
-    TTFT.labels(tier).observe(max(0.0, (first - as_utc(created_at)).total_seconds()))
+    ttft_s = max(0.0, (first - as_utc(created_at)).total_seconds())
+    TTFT.labels(tier).observe(ttft_s)
+    if arm is not None:
+        EXPERIMENT_TTFT.labels(*arm).observe(ttft_s)
     generating_s = (as_utc(finished_at) - first).total_seconds()
     if outcome.completion_tokens > 1 and generating_s > 0:
-        JOB_TOKENS_PER_SECOND.labels(tier).observe((outcome.completion_tokens - 1) / generating_s)
+        rate = (outcome.completion_tokens - 1) / generating_s
+        JOB_TOKENS_PER_SECOND.labels(tier).observe(rate)
+        if arm is not None:
+            EXPERIMENT_TOKENS_PER_SECOND.labels(*arm).observe(rate)
 
 
 def observe_ended_unrun(tier: str, status: JobStatus) -> None:

@@ -51,6 +51,7 @@ class _Finished:
     created_at: datetime
     cache_key: str | None
     started_at: datetime | None
+    arm: tuple[str, str] | None  # its experiment and variant
 
 
 def _count_finished(pipe: Any, finished: list[_Finished]) -> None:
@@ -115,6 +116,7 @@ class OutcomeRecorder:
                 job.created_at,
                 job.cache_key,
                 job.started_at,
+                (job.experiment, job.variant) if job.experiment and job.variant else None,
             )
         )
         return ticket
@@ -176,7 +178,7 @@ class OutcomeRecorder:
             if outcome is None:
                 log.info("job %s attempt %d was superseded", item.job_id, item.attempt)
             else:
-                observe_outcome(item.tier, item.created_at, outcome, finished_at)
+                observe_outcome(item.tier, item.created_at, outcome, finished_at, item.arm)
                 log.info(
                     "job %s %s: %d tokens, finish %s",
                     item.job_id,

@@ -13,6 +13,7 @@ from api.negotiation import MsgpackRoute, NegotiatedResponse
 from api.openapi import COMMON_ERRORS, error_responses
 from api.prefer import honour_wait
 from api.schemas import (
+    FeedbackCreate,
     JobBatchCreate,
     JobCreate,
     JobList,
@@ -23,6 +24,7 @@ from api.schemas import (
 from api.streaming import event_stream
 from api.submission import cancel_job, submit_job, submit_jobs
 from core.errors import NotFound
+from core.metrics import EXPERIMENT_FEEDBACK
 from core.states import JobStatus
 
 router = APIRouter(
@@ -135,6 +137,19 @@ async def get_job(
         await services.finals.wait([job_id], wait)
         job = await services.reads.get(job_id)
         assert job is not None
+    return JobOut.from_job(job)
+
+
+@router.post("/{job_id}/feedback", response_model=JobOut, responses=error_responses(404))
+async def post_feedback(
+    job_id: str, body: FeedbackCreate, principal: PrincipalDep, services: ServicesDep
+) -> JobOut:
+    """Score the job's answer; an experiment's report and metrics average it per variant."""
+    job = await run_in_threadpool(services.jobs.set_feedback, job_id, principal.owner, body.score)
+    if job is None:
+        raise NotFound(f"No job with id '{job_id}'.", param="job_id")
+    if job.experiment is not None and job.variant is not None:
+        EXPERIMENT_FEEDBACK.labels(job.experiment, job.variant).observe(body.score)
     return JobOut.from_job(job)
 
 

@@ -8,28 +8,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from core.tiers import Tier
 from inferq.local import free_port
 from tests.otlp import OtlpReceiver
-from tests.support import FLOWER_AUTH, Stack, wait_final
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(url: str) -> Samples:
-    """Every sample of a /metrics page, by name and labels."""
-    text = httpx.get(url, timeout=10).text
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
+from tests.support import FLOWER_AUTH, Samples, Stack, scrape, value, wait_final
 
 
 def test_metrics_move_with_real_jobs(stack: Stack) -> None:

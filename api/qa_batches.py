@@ -75,6 +75,7 @@ class QaBatchCreate(BaseModel):
         default=None,
         min_length=1,
         max_length=200,
+        pattern=NO_NUL,
         description="The served model (the default) or a registered LoRA adapter of it.",
     )
     max_tokens: int | None = Field(default=None, gt=0)

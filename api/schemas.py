@@ -41,6 +41,7 @@ class JobCreate(BaseModel):
         default=None,
         min_length=1,
         max_length=200,
+        pattern=NO_NUL,
         description="The served model (the default) or a registered LoRA adapter of it; "
         "GET /v1/models lists them.",
     )
@@ -48,6 +49,7 @@ class JobCreate(BaseModel):
         default=None,
         min_length=1,
         max_length=100,
+        pattern=NO_NUL,
         description="An A/B experiment to run the job in: one of its variants, chosen by "
         "`user`, sets the job's model and sampling (over what the request says).",
     )
@@ -55,6 +57,7 @@ class JobCreate(BaseModel):
         default=None,
         min_length=1,
         max_length=200,
+        pattern=NO_NUL,
         description="Who the job is for; an experiment gives one user one variant (default: "
         "the key's owner).",
     )

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from api.errors import describe_validation_error
-from api.schemas import JobCreate, StopText
+from api.schemas import NO_NUL, JobCreate, StopText
 from core.errors import InvalidRequest, ModelNotFound
 from core.models import Job, as_utc
 from core.states import JobStatus
@@ -58,7 +58,8 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(
-        description="The served model's id, or a registered LoRA adapter's (see GET /v1/models)."
+        pattern=NO_NUL,
+        description="The served model's id, or a registered LoRA adapter's (see GET /v1/models).",
     )
     max_tokens: int | None = Field(default=None, description="Default and cap from the tier.")
     temperature: float | None = None

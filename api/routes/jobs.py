@@ -54,7 +54,7 @@ PREFER_HELP = (
             "description": "The job stored earlier under this Idempotency-Key, or with Prefer: "
             "wait, the job once it has ended; with stream=true, the job's events.",
         },
-        **error_responses(409, 413, 429),
+        **error_responses(404, 409, 413, 429),
     },
 )
 async def create_job(
@@ -101,7 +101,7 @@ async def create_job(
     response_model=JobList,
     responses={
         200: {"model": JobList, "description": "With Prefer: wait, every job has ended."},
-        **error_responses(413, 429),
+        **error_responses(404, 413, 429),
     },
 )
 async def create_jobs(

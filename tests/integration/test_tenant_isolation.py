@@ -33,6 +33,7 @@ ID_ROUTES = {
     ("GET", "/v1/jobs/{job_id}"): "job",
     ("DELETE", "/v1/jobs/{job_id}"): "job",
     ("GET", "/v1/jobs/{job_id}/events"): "job",
+    ("POST", "/v1/jobs/{job_id}/feedback"): "job",
     ("GET", "/v1/files/{file_id}"): "file",
     ("GET", "/v1/files/{file_id}/content"): "file",
     ("DELETE", "/v1/files/{file_id}"): "file",
@@ -43,6 +44,9 @@ ID_ROUTES = {
     ("POST", "/v1/qa-batches/{batch_id}/cancel"): "qa_batch",
 }
 """Every route with an id in its path, and which of A's resources it is tried on."""
+
+BODIES = {("POST", "/v1/jobs/{job_id}/feedback"): {"score": 1.0}}
+"""What a route needs besides its id, so that only the id decides its answer."""
 
 SHARED_ROUTES = {("GET", "/v1/models/{model_id}")}
 """Routes with an id that names no owner's resource: the served model is the same for all."""
@@ -132,7 +136,8 @@ def test_every_route_that_takes_an_id_is_covered() -> None:
 
 def _same_as_unknown(client: httpx.Client, method: str, template: str, own_id: str) -> None:
     def call(resource_id: str) -> httpx.Response:
-        return client.request(method, re.sub(r"\{[^}]+\}", resource_id, template))
+        url = re.sub(r"\{[^}]+\}", resource_id, template)
+        return client.request(method, url, json=BODIES.get((method, template)))
 
     theirs, unknown = call(own_id), call(UNKNOWN)
     assert unknown.status_code == 404, (method, template, unknown.text)
@@ -148,7 +153,8 @@ def test_another_owner_gets_404_on_every_route_with_an_id(stack: Stack, owner_a:
             _same_as_unknown(client, method, template, owner_a.ids[kind])
     # B's DELETE and cancel calls changed nothing of A's.
     with stack.client(owner_a.key) as client:
-        assert _ok(client.get(f"/v1/jobs/{owner_a.ids['job']}"))["status"] == "succeeded"
+        job = _ok(client.get(f"/v1/jobs/{owner_a.ids['job']}"))
+        assert job["status"] == "succeeded" and job["feedback_score"] is None
         assert client.get(f"/v1/files/{owner_a.ids['file']}/content").content.startswith(b"Owner")
         batch = _ok(client.get(f"/v1/batches/{owner_a.ids['batch']}"))
         assert batch["status"] not in ("cancelling", "cancelled"), batch

@@ -261,6 +261,8 @@ def read_sse(
                 name, _, value = line.partition(": ")
                 frame[name] = value
                 continue
+            if not frame:
+                continue  # the blank line that ends a heartbeat comment
             event = json.loads(frame["data"])
             assert int(frame["id"]) == event["seq"]
             assert frame["event"] == event["type"] and event["job_id"] == job_id

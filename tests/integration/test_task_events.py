@@ -20,7 +20,7 @@ from tests.support import ExtraWorker, Stack, wait_final, worker_paused
 
 NAME = "events@inferq-test"
 JOBS = 3
-TOKENS = 600
+TOKENS = 2000  # a few seconds each, so the remote control's one-second inspections see one run
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def _wait_for_remote_control(stack: Stack) -> None:
 
     A worker announces itself ready before its event loop has subscribed to remote control, and
     a broadcast sent in between goes unanswered: the test's first `active()` would then wait out
-    its timeout while the jobs (a second or two each) run to their end unseen.
+    its timeout while the jobs (a few seconds each) run to their end unseen.
     """
     app = make_celery_app(stack.local.settings)
     try:

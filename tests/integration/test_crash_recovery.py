@@ -209,7 +209,17 @@ def test_streamed_jobs_continue_on_another_worker_from_what_was_streamed(stack: 
             victim.kill(free_name=False)
             on_victim = _on_victim(stack, jobs)
             prompt_tokens = {job["id"]: job["usage"]["prompt_tokens"] for job in jobs}
-        assert len(on_victim) >= count // 2, "most jobs ended before the kill"
+        # What each job was at the kill, and what its reader had seen, should this fail.
+        rows = _workers_of(stack, list(seen))
+        at_kill = {
+            job_id: (
+                *rows[job_id],
+                sum(e.get("tokens", 0) for e in events),
+                [e["type"] for e in events][-1:],
+            )
+            for job_id, events in seen.items()
+        }
+        assert len(on_victim) >= count // 2, f"most jobs were not running at the kill: {at_kill}"
         kept = []
         for job_id in on_victim:
             done = wait_final(client, job_id, timeout_s=180)

@@ -160,6 +160,11 @@ def worker_room_field(tier: Tier | str) -> str:
     return f"room_{Tier(tier).value}"
 
 
+def worker_takes_field(tier: Tier | str) -> str:
+    """The field of `worker_stats` that says (1 or 0) whether the worker takes a tier's jobs."""
+    return f"takes_{Tier(tier).value}"
+
+
 def worker_name_claim(worker_name: str) -> str:
     """Held by the one live process that goes by a worker name (see `core.workernames`)."""
     return f"{PREFIX}:worker-name:{worker_name}"

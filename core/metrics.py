@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 from prometheus_client import Counter, Gauge, Histogram, Summary, start_http_server
 
+from core.health import Health, serve_health
+
 log = logging.getLogger(__name__)
 
 # Seconds: from tens of milliseconds (a warm GPU) to the longest tier deadline.
@@ -132,12 +134,16 @@ def count_submitted(tiers: Iterable[str]) -> None:
         JOBS_SUBMITTED.labels(tier).inc()
 
 
-def serve_metrics(port: int, address: str = "0.0.0.0") -> None:
-    """Expose this process's metrics on their own HTTP port (0: not at all)."""
+def serve_metrics(port: int, address: str = "0.0.0.0", health: Health | None = None) -> None:
+    """Expose this process's metrics on their own HTTP port (0: not at all), with `health`'s
+    `/healthz` and `/readyz` on the same port (see `core.health`)."""
     if not port:
         return
     try:
-        start_http_server(port, addr=address)
+        if health is None:
+            start_http_server(port, addr=address)
+        else:
+            serve_health(port, health, address)
     except OSError as exc:
         raise RuntimeError(
             f"cannot serve metrics on port {port} ({exc.strerror}): give each process on this "

@@ -13,8 +13,9 @@ from pathlib import Path
 import click
 
 from core.settings import Settings, get_settings
-from core.tiers import Tier
+from core.tiers import TIERS_BY_PRIORITY, Tier
 from inferq.adapters import adapters
+from inferq.apikeys import keys
 from inferq.batch import batch
 from inferq.experiments import experiments
 from inferq.submit import submit
@@ -64,12 +65,19 @@ def api(host: str, port: int, workers: int) -> None:
 @click.option("--concurrency", type=int, default=None, help="Jobs in flight (default: setting).")
 @click.option("--name", default=None, help="Node name (default: from the devices, e.g. gpu0@host).")
 @click.option("--metrics-port", type=int, default=None, help="Default: INFERQ_WORKER_METRICS_PORT.")
+@click.option(
+    "--tiers",
+    default=",".join(tier.value for tier in Tier),
+    show_default=True,
+    help="The tiers whose jobs it takes, e.g. basic for a pool that scales to zero.",
+)
 def worker(
     gpus: str | None,
     device: str,
     concurrency: int | None,
     name: str | None,
     metrics_port: int | None,
+    tiers: str,
 ) -> None:
     """Run a worker: pin devices, load one vLLM engine, consume the tier queues."""
     from workers.devices import DeviceSpec, engine_build, parse_gpus
@@ -83,8 +91,23 @@ def worker(
         spec = DeviceSpec("cpu") if device == "cpu" else DeviceSpec("cuda", parse_gpus(gpus or "0"))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus") from exc
+    try:
+        taken = {Tier(value.strip()) for value in tiers.split(",") if value.strip()}
+    except ValueError as exc:
+        raise click.BadParameter(
+            f"{exc}; tiers are {', '.join(tier.value for tier in Tier)}", param_hint="--tiers"
+        ) from exc
+    if not taken:
+        raise click.BadParameter("name at least one tier", param_hint="--tiers")
     sys.exit(
-        run_worker(_settings(), spec, concurrency=concurrency, name=name, metrics_port=metrics_port)
+        run_worker(
+            _settings(),
+            spec,
+            concurrency=concurrency,
+            name=name,
+            metrics_port=metrics_port,
+            tiers=[tier for tier in TIERS_BY_PRIORITY if tier in taken],
+        )
     )
 
 
@@ -97,6 +120,7 @@ def scheduler() -> None:
     import redis
 
     from core.db import Database
+    from core.health import Health
     from core.jobs import JobStore
     from core.metrics import serve_metrics
     from core.queue.app import make_celery_app
@@ -105,7 +129,8 @@ def scheduler() -> None:
     from scheduler.retention import run_retention
 
     settings = _settings()
-    serve_metrics(settings.scheduler_metrics_port)
+    health = Health()  # ready while its last tick reached Redis and the database
+    serve_metrics(settings.scheduler_metrics_port, health=health)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
@@ -128,7 +153,7 @@ def scheduler() -> None:
         JobStore(Database(settings.sqlalchemy_url)),
         redis.Redis.from_url(settings.redis_url, socket_timeout=10),
         celery,
-    ).run(stopped)
+    ).run(stopped, health)
     dispatching.join(timeout=10)
 
 
@@ -196,68 +221,6 @@ def db_purge(days: float | None) -> None:
         f"deleted {report.jobs} jobs, {report.batches} batches, {report.files} files and "
         f"{report.prefixes} prompt prefixes finished more than {older_than:g} days ago"
     )
-
-
-@main.group()
-def keys() -> None:
-    """API keys."""
-
-
-@keys.command("create")
-@click.option("--owner", required=True)
-@click.option("--tier", type=click.Choice([t.value for t in Tier]), default=Tier.STANDARD.value)
-@click.option("--rpm", type=click.IntRange(min=1), default=None, help="Jobs per minute.")
-@click.option("--tpm", type=click.IntRange(min=1), default=None, help="Tokens per minute.")
-@click.option(
-    "--max-concurrent", type=click.IntRange(min=1), default=None, help="Unfinished jobs at once."
-)
-def keys_create(
-    owner: str, tier: str, rpm: int | None, tpm: int | None, max_concurrent: int | None
-) -> None:
-    """Create a key; it is printed once and only its hash is stored."""
-    from core.apikeys import KeyStore, Quota
-    from core.db import Database
-
-    quota = Quota(rpm, tpm, max_concurrent)
-    key, record = KeyStore(Database(_settings().sqlalchemy_url)).create(owner, Tier(tier), quota)
-    click.echo(key)
-    click.echo(f"(id {record.id}, owner {owner}, tier {tier}; shown once)", err=True)
-
-
-@keys.command("list")
-@click.option("--owner", default=None)
-def keys_list(owner: str | None) -> None:
-    """List keys (never the keys themselves)."""
-    from core.apikeys import KeyStore
-    from core.db import Database
-
-    for record in KeyStore(Database(_settings().sqlalchemy_url)).list(owner):
-        state = "revoked" if record.revoked_at else "active"
-        limits = ", ".join(
-            f"{value} {name}"
-            for name, value in (
-                ("rpm", record.requests_per_minute),
-                ("tpm", record.tokens_per_minute),
-                ("concurrent", record.max_concurrent),
-            )
-            if value is not None
-        )
-        click.echo(
-            f"{record.id}\t{record.prefix}…\t{record.owner}\t{record.tier}\t{state}"
-            f"\t{limits or 'no limits'}"
-        )
-
-
-@keys.command("revoke")
-@click.argument("key_id", type=int)
-def keys_revoke(key_id: int) -> None:
-    """Revoke a key by id."""
-    from core.apikeys import KeyStore
-    from core.db import Database
-
-    if not KeyStore(Database(_settings().sqlalchemy_url)).revoke(key_id):
-        raise click.ClickException(f"no active key with id {key_id}")
-    click.echo(f"revoked {key_id}")
 
 
 @main.group()
@@ -378,6 +341,7 @@ def _redacted(url: str) -> str:
 
 
 main.add_command(adapters)
+main.add_command(keys)
 main.add_command(experiments)
 main.add_command(batch)
 main.add_command(submit)

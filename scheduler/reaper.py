@@ -31,6 +31,7 @@ from sqlalchemy.exc import OperationalError
 
 from core import keys
 from core.events import EventPublisher
+from core.health import Health
 from core.jobs import JobStore
 from core.metrics import JOBS_FINISHED, JOBS_REQUEUED
 from core.models import Job, as_utc, utcnow
@@ -181,12 +182,18 @@ class Scheduler:
         except redis.RedisError:
             log.warning("job %s: could not publish its %s event", job_id, event_type)
 
-    def run(self, stopped: threading.Event) -> None:
-        """Tick every `scheduler_interval_s` until `stopped` is set; a failed tick is retried."""
+    def run(self, stopped: threading.Event, health: Health | None = None) -> None:
+        """Tick every `scheduler_interval_s` until `stopped` is set; a failed tick is retried.
+
+        `health` is ready while the last tick succeeded.
+        """
         log.info("scheduler running: every %gs", self.settings.scheduler_interval_s)
+        health = health or Health()
         while not stopped.is_set():
+            health.beat()
             try:
                 report = self.tick()
+                health.set_ready(True)
                 if report.expired or report.requeued or report.failed or report.resent:
                     log.info(
                         "tick: %d expired, %d requeued, %d failed, %d resent",
@@ -196,8 +203,10 @@ class Scheduler:
                         report.resent,
                     )
             except (redis.RedisError, OperationalError) as exc:
+                health.set_ready(False)
                 log.warning("scheduler tick failed, a service is unavailable; retrying: %s", exc)
             except Exception:
+                health.set_ready(False)
                 log.exception("scheduler tick failed; retrying")
             stopped.wait(self.settings.scheduler_interval_s)
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,10 +299,12 @@ class ExtraWorker:
         env: dict[str, str] | None = None,
         *,
         named: bool = True,
+        args: Sequence[str] = (),
     ) -> None:
         self.stack = stack
         self.name = name
         self.named = named
+        self.args = list(args)
         self.concurrency = concurrency
         self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
@@ -318,6 +320,7 @@ class ExtraWorker:
                 str(self.concurrency),
                 *(["--name", self.name] if self.named else []),
                 "--metrics-port=0",
+                *self.args,
             ],
             env={**self.stack.local.env, **self.env},
             stdout=self.log.open("ab"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+from collections.abc import Sequence
 
 import redis
 from celery.signals import worker_ready
@@ -12,13 +13,14 @@ from celery.signals import worker_ready
 from core import keys
 from core.db import Database
 from core.events import EventPublisher
+from core.health import Health
 from core.heap import freeze_heap
 from core.jobs import JobStore
 from core.logs import set_context
 from core.metrics import serve_metrics
 from core.queue.app import make_celery_app
 from core.settings import Settings
-from core.tiers import TIERS_BY_PRIORITY
+from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.tracing import init_tracing
 from core.tracing import shutdown as shutdown_tracing
 from core.workernames import WorkerNameClaim, WorkerNameTaken, claim_first_free, claim_name
@@ -38,15 +40,19 @@ log = logging.getLogger(__name__)
 class _Heartbeat(threading.Thread):
     """Renews the leases of jobs in flight, publishes the worker's counters, samples memory."""
 
-    def __init__(self, runner: JobRunner, memory: DeviceMemory, interval_s: float) -> None:
+    def __init__(
+        self, runner: JobRunner, memory: DeviceMemory, interval_s: float, health: Health
+    ) -> None:
         super().__init__(name="inferq-heartbeat", daemon=True)
         self.runner = runner
         self.memory = memory
         self.interval_s = interval_s
+        self.health = health
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval_s):
+            self.health.beat()
             try:
                 self.runner.renew_leases()
             except redis.RedisError:
@@ -107,8 +113,12 @@ def run_worker(
     concurrency: int | None = None,
     name: str | None = None,
     metrics_port: int | None = None,
+    tiers: Sequence[Tier] = TIERS_BY_PRIORITY,
 ) -> int:
-    """Run a worker until it is told to stop; returns the exit code."""
+    """Run a worker until it is told to stop; returns the exit code.
+
+    It takes jobs of `tiers` only (default all), highest first.
+    """
     pin_devices(spec)
     client = redis.Redis.from_url(settings.redis_url)
     try:
@@ -122,7 +132,11 @@ def run_worker(
     if unbind_extra_cpu_engine(spec, node_name):
         log.info("not the host's first CPU worker: its engine's threads are not bound to cores")
     init_tracing("inferq-worker", settings.otlp_endpoint)
-    serve_metrics(settings.worker_metrics_port if metrics_port is None else metrics_port)
+    # Live while its heartbeat turns; ready from the moment it takes jobs until it drains.
+    health = Health()
+    serve_metrics(
+        settings.worker_metrics_port if metrics_port is None else metrics_port, health=health
+    )
     from workers.engine import VllmEngine  # imports vllm: only after pinning
 
     deltas = DeltaPublisher(EventPublisher(client, settings.job_key_ttl_s))
@@ -157,10 +171,15 @@ def run_worker(
             slots=concurrency or settings.worker_concurrency,
             kv_tokens=vllm.kv_cache_tokens(),
             pace=pace,
+            tiers=tiers,
         ),
+        tiers=tiers,
     )
     heartbeat = _Heartbeat(
-        runner, DeviceMemory(node_name, spec.gpus), interval_s=min(1.0, settings.lease_ttl_s / 3)
+        runner,
+        DeviceMemory(node_name, spec.gpus),
+        interval_s=min(1.0, settings.lease_ttl_s / 3),
+        health=health,
     )
     listener = _ControlListener(runner, client)
     listener.start()
@@ -176,6 +195,7 @@ def run_worker(
         client.sadd(keys.WORKERS_SET, node_name)
         runner.renew_leases()
         heartbeat.start()
+        health.set_ready(True)
         # Start-up is over: full collections of the engine's and Celery's objects stalled
         # the whole worker for up to 0.7 s at a time (core.heap).
         freeze_heap()
@@ -206,6 +226,7 @@ def run_worker(
         queues=[
             queue
             for tier in TIERS_BY_PRIORITY
+            if tier in tiers
             for queue in (keys.worker_queue_name(tier, node_name), keys.queue_name(tier))
         ],
         loglevel=settings.log_level,
@@ -214,6 +235,7 @@ def run_worker(
     )
     try:
         worker.start()
+        health.set_ready(False)
         # Celery has stopped taking messages; the jobs it handed over finish here (their
         # leases renewed meanwhile). Their messages went back to the queue when Celery's
         # connection closed, and whoever takes them again skips these jobs.

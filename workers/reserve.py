@@ -20,13 +20,17 @@ polls, so one bulk take may pass it by a few jobs; the next poll makes up for it
 
 With a `DeadlinePace` (`workers.pace`), a tier also takes nothing while a job of a tier above
 it runs behind its deadline's pace: the batch shrinks until that job's tokens come fast enough.
+
+A worker may take only some tiers (`inferq worker --tiers`, e.g. a pool of basic workers that
+scales to zero): the others have no room on it, and the highest tier it takes counts as the top
+one, since no tier above it will come to claim the share kept for it.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from core.tiers import TIERS_BY_PRIORITY, Tier, TierPolicy
@@ -55,11 +59,18 @@ class TierReserve:
         slots: int,
         kv_tokens: int | None = None,
         pace: DeadlinePace | None = None,
+        tiers: Collection[Tier] = TIERS_BY_PRIORITY,
     ) -> None:
+        if not tiers:
+            raise ValueError("a worker takes at least one tier")
         self.slots = slots
         self.kv_tokens = kv_tokens
         self.pace = pace
-        self._shares = {tier: policies[tier].engine_share for tier in TIERS_BY_PRIORITY}
+        self.tiers = frozenset(tiers)
+        top = next(tier for tier in TIERS_BY_PRIORITY if tier in self.tiers)
+        self._shares = {
+            tier: 1.0 if tier is top else policies[tier].engine_share for tier in TIERS_BY_PRIORITY
+        }
         self._lock = threading.Lock()
         self._tags: dict[str, tuple[Tier, int]] = {}  # tag → its tier, deliveries not acked
         self._held = dict.fromkeys(TIERS_BY_PRIORITY, 0)
@@ -138,6 +149,9 @@ class TierReserve:
                 tokens += self._tokens[tier]
                 jobs += self._jobs[tier]
                 share = self._shares[tier]
+                if tier not in self.tiers:
+                    rooms[tier] = 0
+                    continue
                 if share >= 1:  # only its own jobs count: it may always take while one waits
                     rooms[tier] = max(self.slots - self._held[tier], 0)
                     continue

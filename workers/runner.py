@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from functools import partial
 
@@ -26,7 +26,7 @@ from core.jobs import JobStore
 from core.metrics import HELD_FOR_PACE, IN_FLIGHT, TIME_PER_TOKEN
 from core.settings import Settings
 from core.states import JobStatus
-from core.tiers import TIERS_BY_PRIORITY
+from core.tiers import TIERS_BY_PRIORITY, Tier
 from workers.generation import GenerationResult
 from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
@@ -61,8 +61,11 @@ class JobRunner:
         claim_token: str,
         deltas: DeltaPublisher | None = None,
         reserve: TierReserve | None = None,
+        tiers: Collection[Tier] = TIERS_BY_PRIORITY,
     ) -> None:
         self.settings = settings
+        self.tiers = frozenset(tiers)
+        """The tiers whose queues this worker takes from (`inferq worker --tiers`)."""
         self.store = store
         self.engine = engine
         self.redis = redis_client
@@ -244,6 +247,8 @@ class JobRunner:
         self.leases.renew(running, pipe)
         self.leases.release(stale, pipe)
         counters = self.stats.as_mapping()
+        for tier in TIERS_BY_PRIORITY:  # routing sends a worker jobs only of tiers it takes
+            counters[keys.worker_takes_field(tier)] = int(tier in self.tiers)
         if self.reserve is not None:  # admission control counts free slots as starting at once
             for tier, room in self.reserve.left().items():
                 counters[keys.worker_room_field(tier)] = room

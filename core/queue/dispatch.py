@@ -299,10 +299,10 @@ class Dispatcher:
         """Each job's worker queue, or None: not routed, no live worker, or that one is busy."""
         if not any(job.route for job in jobs):
             return [None] * len(jobs)
-        live = self.workers.live()
+        live = {tier: self.workers.live(tier) for tier in TIERS_BY_PRIORITY}
         chosen = [
             keys.worker_queue_name(job.tier, worker)
-            if job.route and (worker := pick_worker(job.route, live))
+            if job.route and (worker := pick_worker(job.route, live[Tier(job.tier)]))
             else None
             for job in jobs
         ]
@@ -323,10 +323,13 @@ class Dispatcher:
     def promote(self, now: float | None = None) -> int:
         """Move lower tiers' messages that waited past `promote_after_s` to the premium queue.
 
-        Shared queues age into the shared premium queue, a worker's own queues into its own.
+        Shared queues age into the shared premium queue, a worker's own queues into its own
+        (or into the shared one, where the worker takes no premium jobs).
         """
         now = time.time() if now is None else now
+        top = TIERS_BY_PRIORITY[0]
         owners: list[str | None] = [None, *self.workers.live()]
+        takes_top = set(self.workers.live(top))
         moved = 0
         for tier in TIERS_BY_PRIORITY[1:]:
             after_s = self.settings.tier_policy(tier).promote_after_s
@@ -334,8 +337,10 @@ class Dispatcher:
                 continue
             for worker in owners:
                 queues = [
-                    keys.worker_queue_name(t, worker) if worker else keys.queue_name(t)
-                    for t in (tier, TIERS_BY_PRIORITY[0])
+                    keys.worker_queue_name(tier, worker) if worker else keys.queue_name(tier),
+                    keys.worker_queue_name(top, worker)
+                    if worker in takes_top
+                    else keys.queue_name(top),
                 ]
                 moved += int(self._promote(keys=queues, args=[now - after_s, PROMOTE_SCAN]))
         return moved

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import redis
 
 from core import keys
-from core.tiers import TIERS_BY_PRIORITY
+from core.tiers import TIERS_BY_PRIORITY, Tier
 
 
 def prefix_key(prompt: str, chars: int) -> str | None:
@@ -104,21 +104,37 @@ class WorkerDirectory:
     def __init__(self, client: redis.Redis, ttl_s: float = 1.0) -> None:
         self.redis = client
         self.ttl_s = ttl_s
-        self._names: list[str] = []
+        self._tiers: dict[str, frozenset[Tier]] = {}
         self._read_at = float("-inf")
         self._reclaim = client.register_script(_RECLAIM)
 
-    def live(self) -> list[str]:
-        """Names of the workers whose heartbeat is current."""
+    def _read(self) -> dict[str, frozenset[Tier]]:
+        """Each live worker (its heartbeat current) with the tiers it takes."""
         if time.monotonic() - self._read_at >= self.ttl_s:
             members = self.redis.smembers(keys.WORKERS_SET)
             names = sorted(n.decode() if isinstance(n, bytes) else str(n) for n in members)
+            fields = [keys.worker_takes_field(tier) for tier in TIERS_BY_PRIORITY]
             pipe = self.redis.pipeline(transaction=False)
             for name in names:
                 pipe.exists(keys.worker_stats(name))
-            self._names = [n for n, up in zip(names, pipe.execute(), strict=True) if up]
+                pipe.hmget(keys.worker_stats(name), fields)
+            replies = pipe.execute()
+            self._tiers = {
+                name: frozenset(
+                    # A worker that does not say (an older one) takes every tier.
+                    tier
+                    for tier, takes in zip(TIERS_BY_PRIORITY, flags, strict=True)
+                    if takes is None or int(takes)
+                )
+                for name, up, flags in zip(names, replies[::2], replies[1::2], strict=True)
+                if up
+            }
             self._read_at = time.monotonic()
-        return self._names
+        return self._tiers
+
+    def live(self, tier: Tier | None = None) -> list[str]:
+        """Names of the live workers; with `tier`, of those that take its jobs."""
+        return [name for name, tiers in self._read().items() if tier is None or tier in tiers]
 
     def reclaim(self) -> int:
         """Move the messages in lost workers' own queues to the shared queues."""

@@ -59,6 +59,17 @@ def test_metrics_move_with_real_jobs(stack: Stack) -> None:
     assert not any(v.startswith("job_") for v in label_values), "a job id became a label"
 
 
+def test_the_worker_and_the_scheduler_answer_health_probes(stack: Stack) -> None:
+    """What Kubernetes asks them (deploy/kubernetes): on their metrics ports, beside /metrics."""
+    port = stack.local.env["INFERQ_SCHEDULER_METRICS_PORT"]
+    for metrics in (stack.worker_metrics_url, f"http://127.0.0.1:{port}/metrics"):
+        base = metrics.removesuffix("/metrics")
+        for path in ("/healthz", "/readyz"):
+            answer = httpx.get(f"{base}{path}", timeout=10)
+            assert (answer.status_code, answer.json()) == (200, {"status": "ok"}), (base, path)
+        assert "inferq_" in httpx.get(metrics, timeout=10).text
+
+
 @pytest.fixture
 def flower(stack: Stack) -> Iterator[str]:
     port = free_port()

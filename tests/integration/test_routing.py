@@ -115,3 +115,25 @@ def test_short_prompts_are_not_routed(stack: Stack, phantom: str) -> None:
         done = [wait_final(client, job["id"], timeout_s=60) for job in jobs]
     assert all(job["status"] == "succeeded" for job in done)
     assert not any(stack.redis.llen(keys.worker_queue_name(t, phantom)) for t in Tier)
+
+
+def test_jobs_are_routed_only_to_workers_that_take_their_tier(stack: Stack, phantom: str) -> None:
+    """A worker started with `--tiers basic` gets routed basic jobs, never premium ones: those
+    would wait in a queue of its that it does not read."""
+    takes = {keys.worker_takes_field(tier): int(tier is Tier.BASIC) for tier in Tier}
+    stack.redis.hset(keys.worker_stats(phantom), mapping=takes)
+    time.sleep(1.5)  # the API's view of the live workers is at most a second old
+    document = _documents(stack, sorted([stack.worker_name, phantom]))[phantom]
+    premium, basic = stack.create_key(Tier.PREMIUM), stack.create_key(Tier.BASIC)
+    with stack.client(premium) as client:
+        done = [wait_final(client, job["id"]) for job in _ask(stack, premium, document, range(3))]
+    assert [job["status"] for job in done] == ["succeeded"] * 3
+    assert _workers_of(stack, [job["id"] for job in done]) == {stack.worker_name}
+    assert stack.redis.llen(keys.worker_queue_name(Tier.PREMIUM, phantom)) == 0
+
+    waiting = _ask(stack, basic, document, range(2))
+    deadline = time.monotonic() + 10
+    while stack.redis.llen(keys.worker_queue_name(Tier.BASIC, phantom)) < len(waiting):
+        assert time.monotonic() < deadline, "the basic jobs were not routed to the phantom"
+        time.sleep(0.1)
+    # The fixture drops the phantom's heartbeat; its basic queue goes back to the shared one.

@@ -92,3 +92,16 @@ def test_the_tier_of_a_queue_is_read_from_its_name() -> None:
     assert keys.tier_of_queue(keys.worker_queue_name(Tier.PREMIUM, "cpu.2@host")) is Tier.PREMIUM
     assert keys.tier_of_queue("celery") is None
     assert keys.tier_of_queue("inferq.other") is None
+
+
+def test_a_worker_that_takes_some_tiers_has_no_room_for_the_others() -> None:
+    """Only basic jobs (`inferq worker --tiers basic`): no share is kept for tiers above."""
+    reserve = TierReserve(DEFAULT_TIER_POLICIES, slots=10, tiers=[Tier.BASIC])
+    assert reserve.left() == {Tier.PREMIUM: 0, Tier.STANDARD: 0, Tier.BASIC: 10}
+    _fill(reserve, Tier.BASIC, 10)
+    assert reserve.left()[Tier.BASIC] == 0
+
+    # Standard is the top tier here: it takes whenever one waits, as premium does elsewhere.
+    both = TierReserve(DEFAULT_TIER_POLICIES, slots=10, tiers=[Tier.STANDARD, Tier.BASIC])
+    _fill(both, Tier.BASIC, 7)
+    assert both.left() == {Tier.PREMIUM: 0, Tier.STANDARD: 10, Tier.BASIC: 0}

@@ -17,6 +17,24 @@ POOL_SIZE = 20
 POOL_OVERFLOW = 20
 """Connections a process keeps open, and how many more it may open at a busy moment."""
 
+IDLE_TRANSACTION_TIMEOUT_MS = 10_000
+"""PostgreSQL ends a session of inferq's left idle inside a transaction this long, rolling it
+back. No inferq transaction waits between its statements; one that does lost its process, or
+the network to it: a worker cut off from the database between an UPDATE and its COMMIT held the
+row locks of its jobs, and the worker that took them over waited for those locks (40 s, until
+the connection broke, in tests/integration/test_multi_host.py; over a real partition, until TCP
+gives up, hours by default)."""
+
+POSTGRES_CONNECT_ARGS = {
+    "options": f"-c idle_in_transaction_session_timeout={IDLE_TRANSACTION_TIMEOUT_MS}",
+    # This side of a connection to a server that vanished finds out within about half a
+    # minute, not when the host's TCP does (two hours by default).
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
+
 
 def make_engine(url: str) -> Engine:
     """An engine for `url`; SQLite gets WAL and a busy timeout so API and workers can both write."""
@@ -43,7 +61,13 @@ def make_engine(url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(url, pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW, pool_pre_ping=True)
+    return create_engine(
+        url,
+        pool_size=POOL_SIZE,
+        max_overflow=POOL_OVERFLOW,
+        pool_pre_ping=True,
+        connect_args=POSTGRES_CONNECT_ARGS if url.startswith("postgresql") else {},
+    )
 
 
 @lru_cache

@@ -300,28 +300,31 @@ class ExtraWorker:
         *,
         named: bool = True,
         args: Sequence[str] = (),
+        on_host: Callable[[list[str]], list[str]] | None = None,
     ) -> None:
         self.stack = stack
         self.name = name
         self.named = named
         self.args = list(args)
+        self.on_host = on_host  # runs its command elsewhere (`tests.hosts.Host.command`)
         self.concurrency = concurrency
         self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
-        self.log = stack.local.settings.data_dir.resolve() / "logs" / f"{name.split('@')[0]}.log"
+        self.log = (
+            stack.local.settings.data_dir.resolve() / "logs" / f"{name.replace('@', '-')}.log"
+        )
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "inferq", "worker", "--device", "cpu"]
+        command = [
+            *[sys.executable, "-m", "inferq", "worker", "--device", "cpu"],
+            *["--concurrency", str(self.concurrency)],
+            *(["--name", self.name] if self.named else []),
+            "--metrics-port=0",
+            *self.args,
+        ]
         self.process = subprocess.Popen(
-            [
-                *command,
-                "--concurrency",
-                str(self.concurrency),
-                *(["--name", self.name] if self.named else []),
-                "--metrics-port=0",
-                *self.args,
-            ],
+            self.on_host(command) if self.on_host else command,
             env={**self.stack.local.env, **self.env},
             stdout=self.log.open("ab"),
             stderr=subprocess.STDOUT,

@@ -20,7 +20,9 @@ from tests.support import ExtraWorker, Stack, wait_final, worker_paused
 
 NAME = "events@inferq-test"
 JOBS = 3
-TOKENS = 2000  # a few seconds each, so the remote control's one-second inspections see one run
+TOKENS = 6000
+"""Several seconds each, so the remote control's inspections see one run: at 2,000 the worker's
+main thread, busy with the three jobs' tokens, answered no inspection until they had ended."""
 
 
 @pytest.fixture
@@ -99,10 +101,14 @@ def test_jobs_run_through_celerys_own_requests_with_their_events(
             for i in range(JOBS)
         ]
         ids = {job["id"] for job in jobs}
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         seen_active: set[str] = set()
         while not seen_active and time.monotonic() < deadline:
             seen_active = _active_job_ids(stack) & ids
+            if not seen_active and all(
+                client.get(f"/v1/jobs/{job_id}").json()["status"] == "succeeded" for job_id in ids
+            ):
+                break  # all ended unseen: the assertion below says so
         finished = [wait_final(client, job["id"]) for job in jobs]
         deadline = time.monotonic() + 30
         while len(log.of_type("task-succeeded")) < JOBS and time.monotonic() < deadline:

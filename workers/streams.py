@@ -11,6 +11,11 @@ subscribers). An unwatched job's deltas are merged here instead, and published a
 when a reader arrives (the text so far, then every delta live) or when the job ends, before
 its final event. Either way a job's stream ends with its whole text; most jobs are only
 polled, and for them streaming costs one event, not one per engine step.
+
+Deltas that Redis did not take (it is restarting, or failing over to a replica) are kept and
+sent, merged, before anything newer; a job's end waits up to `UNSENT_RETRY_S` for them to go
+out before its final event. A reader that resumes by Last-Event-ID after the outage gets the
+text it missed.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,6 +35,9 @@ from core.states import JobStatus
 from workers.generation import Delta
 
 log = logging.getLogger(__name__)
+
+UNSENT_RETRY_S = 20.0
+"""How long a job's end waits for its deltas that Redis did not take (within `flush`'s 30 s)."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +61,9 @@ _Item = list[Delta] | list[Event] | _Watch | _Flush
 class DeltaPublisher:
     """Publishes deltas in the order they were made, one pipeline per batch of steps."""
 
-    def __init__(self, publisher: EventPublisher) -> None:
+    def __init__(self, publisher: EventPublisher, unsent_retry_s: float = UNSENT_RETRY_S) -> None:
         self.publisher = publisher
+        self.unsent_retry_s = unsent_retry_s
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self.events_published = 0
         # Owned by the publisher thread: jobs running here (announced, or making deltas) and
@@ -61,6 +71,7 @@ class DeltaPublisher:
         self._live: set[str] = set()
         self._watched: set[str] = set()
         self._held: dict[tuple[str, int], Delta] = {}
+        self._unsent: list[Delta] = []  # published, but Redis did not take them
         threading.Thread(target=self._loop, name="inferq-deltas", daemon=True).start()
 
     def publish_step(self, deltas: list[Delta]) -> None:
@@ -107,6 +118,10 @@ class DeltaPublisher:
                 pending = []
                 if isinstance(item, _Flush):
                     self._publish(self._release(item.job_ids))
+                    deadline = time.monotonic() + self.unsent_retry_s
+                    while self._unsent and time.monotonic() < deadline:
+                        time.sleep(0.5)
+                        self._publish([])
                     item.done.set_result(None)
                 elif isinstance(item, _Watch):
                     if item.job_id in self._live and item.job_id not in self._watched:
@@ -159,7 +174,7 @@ class DeltaPublisher:
             log.warning("could not publish %d events", len(events), exc_info=True)
 
     def _publish(self, deltas: list[Delta]) -> None:
-        merged = merge_deltas(deltas)
+        merged = merge_deltas(self._unsent + deltas)
         if not merged:
             return
         events: list[Event] = [
@@ -178,9 +193,10 @@ class DeltaPublisher:
         try:
             self.publisher.publish_many(events)
             self.events_published += len(merged)
+            self._unsent = []
         except redis.RedisError:
-            # The stored result stays whole; a reader of this stream misses these deltas.
-            log.warning("could not publish %d deltas", len(merged), exc_info=True)
+            self._unsent = merged  # sent first next time, so each stream keeps its order
+            log.warning("could not publish %d deltas; kept to send again", len(merged))
 
 
 def merge_deltas(deltas: list[Delta]) -> list[Delta]:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from websockets.sync.client import ClientConnection, connect
 
 from core import keys
@@ -19,6 +21,7 @@ from tests.support import (
     FINAL_EVENTS,
     Stack,
     read_sse,
+    redis_server,
     streamed_text,
     wait_final,
 )
@@ -265,3 +268,25 @@ def test_a_job_is_stored_final_only_after_its_deltas_are_published(stack: Stack)
     events = [json.loads(fields[b"e"]) for _, fields in entries]
     assert [e["type"] for e in events] == ["delta", "done"]
     assert "".join(e["text"] for e in events if e["type"] == "delta") == "Hello, world"
+
+
+def test_deltas_redis_did_not_take_go_out_once_it_is_back(tmp_path: Path) -> None:
+    """A stream keeps its whole text across a Redis outage: deltas made while Redis is away
+    are kept, and sent in order before newer ones (a failover, a restart)."""
+    with redis_server(tmp_path) as server:
+        client = redis.Redis.from_url(server.url, socket_connect_timeout=1, socket_timeout=2)
+        deltas = DeltaPublisher(EventPublisher(client, ttl_s=60), unsent_retry_s=1.0)
+        deltas.publish_events([("job_a", "status", {"status": "running", "attempt": 1})])
+        deltas.watch("job_a")  # its deltas go out live
+        deltas.publish_step([Delta("job_a", 1, "one ", 1)])
+        deltas.flush(["job_b"])
+        server.stop()
+        deltas.publish_step([Delta("job_a", 1, "two ", 1)])  # Redis is away: kept
+        deltas.flush(["job_b"])
+        server.start()  # back, empty: what was sent before is gone, what was kept is not
+        client.connection_pool.disconnect()
+        deltas.publish_step([Delta("job_a", 1, "three", 1)])
+        deltas.flush()
+        entries: Any = client.xrange(keys.job_event_stream("job_a"))
+    texts = [json.loads(fields[b"e"]).get("text") for _, fields in entries]
+    assert "".join(text for text in texts if text) == "two three"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import redis
 import redis.asyncio as aioredis
 from celery import Celery
 
@@ -22,6 +21,7 @@ from core.modelinfo import ModelInfo, load_model_info
 from core.queue.app import make_celery_app
 from core.queue.dispatch import Dispatcher
 from core.quotas import QuotaLimiter
+from core.redisconn import async_client, sync_client
 from core.settings import Settings
 
 
@@ -83,18 +83,17 @@ class Services:
         # Every live stream blocks one connection in XREAD (waits for a job's end share one
         # subscription, see `api.final_events`); past the pool's size a request waits up to
         # 5 s for one rather than failing at once.
-        pool = aioredis.BlockingConnectionPool.from_url(
+        client = async_client(
             settings.redis_url,
             max_connections=settings.api_redis_connections,
             timeout=5,
             socket_connect_timeout=2,
             socket_timeout=10,
         )
-        client = aioredis.Redis(connection_pool=pool)
         # Dispatching runs in the thread pool, beside Celery's own (blocking) producer.
         dispatcher = Dispatcher(
             settings,
-            redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=10),
+            sync_client(settings.redis_url, socket_connect_timeout=2, socket_timeout=10),
             celery,
         )
         return cls(

@@ -29,8 +29,9 @@ from functools import lru_cache
 from importlib.metadata import version
 from typing import Any
 
-import redis
 from celery import Celery
+
+from core.redisconn import sync_client
 
 TESTED_SERIES = {"celery": "5.7", "kombu": "5.7"}
 """The minor series inferq's adaptations were tested on (pyproject pins the same)."""
@@ -148,8 +149,8 @@ class RunJobMessages:
         self._headers: dict[str, Any] = dict(template.headers)
         self._embed = template.body[2]
         self._reply_to = str(app.thread_oid)
-        self._client = redis.Redis.from_url(
-            str(app.conf.broker_url), socket_connect_timeout=2, socket_timeout=10
+        self._client = sync_client(
+            str(app.conf.inferq_redis_url), socket_connect_timeout=2, socket_timeout=10
         )
 
     def message(self, job_id: str, queue: str, headers: dict[str, str]) -> bytes:

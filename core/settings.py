@@ -22,7 +22,12 @@ class Settings(BaseSettings):
     data_dir: Path = Field(
         default=Path(".inferq"), description="Where the embedded defaults live: SQLite, model."
     )
-    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Broker and pub/sub.")
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Broker, pub/sub, streams and quotas: one server (`redis://host:port/db`), or "
+        "the primary Redis Sentinel names (`redis+sentinel://[:password@]host:port,host:port/"
+        "service/db`), followed through failovers.",
+    )
     database_url: str | None = Field(
         default=None, description="SQLAlchemy URL; default: SQLite file in data_dir."
     )

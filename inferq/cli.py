@@ -117,14 +117,13 @@ def scheduler() -> None:
     requeue jobs of lost workers, purge finished jobs past the retention period."""
     import threading
 
-    import redis
-
     from core.db import Database
     from core.health import Health
     from core.jobs import JobStore
     from core.metrics import serve_metrics
     from core.queue.app import make_celery_app
     from core.queue.dispatch import Dispatcher
+    from core.redisconn import sync_client
     from scheduler.reaper import Scheduler
     from scheduler.retention import run_retention
 
@@ -135,9 +134,7 @@ def scheduler() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
     celery = make_celery_app(settings)
-    dispatcher = Dispatcher(
-        settings, redis.Redis.from_url(settings.redis_url, socket_timeout=10), celery
-    )
+    dispatcher = Dispatcher(settings, sync_client(settings.redis_url, socket_timeout=10), celery)
     dispatching = threading.Thread(target=dispatcher.run, args=(stopped,), name="dispatcher")
     dispatching.start()
     # Its own thread: a long purge must not delay expiry and reaping.
@@ -151,7 +148,7 @@ def scheduler() -> None:
     Scheduler(
         settings,
         JobStore(Database(settings.sqlalchemy_url)),
-        redis.Redis.from_url(settings.redis_url, socket_timeout=10),
+        sync_client(settings.redis_url, socket_timeout=10),
         celery,
     ).run(stopped, health)
     dispatching.join(timeout=10)
@@ -174,8 +171,8 @@ def flower(port: int, address: str) -> None:
         sys.executable,
         "-m",
         "celery",
-        "--broker",
-        settings.redis_url,
+        "--app",
+        "inferq.flower",
         "flower",
         f"--port={port}",
         f"--address={address}",

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 import httpx
 import redis
 
+from core.redisconn import parse_sentinel, sync_client
 from core.settings import Settings
 
 STOP_S = 60
@@ -25,7 +26,7 @@ STOP_S = 60
 def redis_reachable(url: str) -> bool:
     """Whether a Redis server answers at `url`."""
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+        return bool(sync_client(url, socket_connect_timeout=1).ping())
     except redis.RedisError:
         return False
 
@@ -57,7 +58,7 @@ class LocalStack:
         if redis_reachable(url):
             return url
         host = urlparse(url).hostname or "127.0.0.1"
-        if host not in ("127.0.0.1", "localhost", "::1"):
+        if parse_sentinel(url) or host not in ("127.0.0.1", "localhost", "::1"):
             raise SystemExit(f"Redis at {url} does not answer, and it is not local to start it.")
         server = shutil.which("redis-server")
         if server is None:
@@ -113,7 +114,7 @@ class LocalStack:
         """Wait until a worker's heartbeat shows in Redis, or a child dies."""
         from core.workerinfo import live_workers
 
-        client = redis.Redis.from_url(redis_url)
+        client = sync_client(redis_url)
         try:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:

@@ -8,8 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import redis
-
+from core.redisconn import sync_client
 from core.settings import Settings
 from inferq.local import LocalStack, free_port
 from migrations import upgrade
@@ -42,7 +41,7 @@ def running_stack(
     `max_model_len` None: the model's own; `env`: more settings for all three. On the way out
     it stops them and prints the tail of each one's log, for the test report.
     """
-    redis.Redis.from_url(redis_url).flushdb()
+    sync_client(redis_url).flushdb()
     local = start_stack(tmp, redis_url, database_url, model_dir, otlp_endpoint, max_model_len)
     local.env.update(env or {})
     port, metrics_port = free_port(), free_port()

@@ -27,6 +27,7 @@ from core.db import Database
 from core.events import streamed_text as fold_stream
 from core.modelinfo import served_model_name
 from core.queue.routing import waiting_counts
+from core.redisconn import sync_client
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.workerinfo import live_workers
 from inferq.local import LocalStack, free_port, redis_reachable, redis_server_command
@@ -127,7 +128,7 @@ class Stack:
     redis: redis.Redis = field(init=False)
 
     def __post_init__(self) -> None:
-        self.redis = redis.Redis.from_url(self.redis_url)
+        self.redis = sync_client(self.redis_url)
         self._clients: dict[str, httpx.Client] = {}
 
     @property

@@ -362,3 +362,19 @@ class EdgeBatchingTransport(redis_transport.Transport):
         for channel in list(self.channels):
             if isinstance(channel, EdgeBatchingChannel) and channel._qos is not None:
                 channel._qos.flush_acks()
+
+
+class EdgeBatchingSentinelChannel(EdgeBatchingChannel, redis_transport.SentinelChannel):
+    """The edge-batching channel on the primary that Redis Sentinel names (`core.redisconn`)."""
+
+    from_transport_options = (  # type: ignore[assignment]
+        *EdgeBatchingChannel.from_transport_options,
+        *redis_transport.SentinelChannel.from_transport_options,
+    )
+
+
+class EdgeBatchingSentinelTransport(EdgeBatchingTransport):
+    """`EdgeBatchingTransport` through Redis Sentinel, for an `INFERQ_REDIS_URL` that names one."""
+
+    Channel = EdgeBatchingSentinelChannel
+    default_port = redis_transport.SentinelTransport.default_port  # type: ignore[assignment]

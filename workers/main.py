@@ -19,6 +19,7 @@ from core.jobs import JobStore
 from core.logs import set_context
 from core.metrics import serve_metrics
 from core.queue.app import make_celery_app
+from core.redisconn import parse_sentinel, sync_client
 from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.tracing import init_tracing
@@ -120,7 +121,7 @@ def run_worker(
     It takes jobs of `tiers` only (default all), highest first.
     """
     pin_devices(spec)
-    client = redis.Redis.from_url(settings.redis_url)
+    client = sync_client(settings.redis_url)
     try:
         name_claim = claim_node_name(client, spec, name)
     except WorkerNameTaken as exc:
@@ -207,7 +208,11 @@ def run_worker(
         # Bulk takes (see workers.edge; edge_batch 1 takes one message at a time, as kombu
         # does), a prefetch limit that still counts the jobs taken before a reconnect, and a
         # channel that survives losing Redis.
-        app.conf.broker_transport = "workers.edge:EdgeBatchingTransport"
+        app.conf.broker_transport = (
+            "workers.edge:EdgeBatchingSentinelTransport"
+            if parse_sentinel(settings.redis_url)
+            else "workers.edge:EdgeBatchingTransport"
+        )
         app.conf.broker_transport_options = {
             **app.conf.broker_transport_options,
             "edge_batch": settings.edge_batch,

@@ -9,6 +9,7 @@ from kombu import Queue
 
 from core import celery_compat, keys
 from core.celery_compat import PUBLISH_BATCH, run_job_messages
+from core.redisconn import celery_broker
 from core.settings import Settings, get_settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
 
@@ -24,7 +25,8 @@ def make_celery_app(settings: Settings) -> Celery:
     Stops with `celery_compat.UntestedCeleryError` where inferq's mode of Celery cannot run.
     """
     celery_compat.check(settings.celery_mode)
-    app = Celery("inferq", broker=settings.redis_url, set_as_current=False)
+    broker, transport_options = celery_broker(settings.redis_url)
+    app = Celery("inferq", broker=broker, set_as_current=False)
     app.conf.update(
         task_queues=[Queue(keys.queue_name(tier)) for tier in TIERS_BY_PRIORITY],
         task_default_queue=keys.queue_name(Tier.STANDARD),
@@ -38,6 +40,7 @@ def make_celery_app(settings: Settings) -> Celery:
         # premium job that arrives later is still taken before them.
         worker_prefetch_multiplier=1,
         broker_transport_options={
+            **transport_options,  # Sentinel's service, where INFERQ_REDIS_URL names one
             # Poll the tier queues in the declared order every time, not round-robin.
             "queue_order_strategy": "priority",
             # A message taken by a worker that died before starting its job (the job is still
@@ -54,6 +57,8 @@ def make_celery_app(settings: Settings) -> Celery:
         # inferq's own key: "stock" publishes with `send_task` and runs the worker on Celery's
         # own transport and strategy (see core.celery_compat).
         inferq_celery_mode=settings.celery_mode,
+        # inferq's own key: Redis as inferq names it (`core.redisconn`), for its own clients.
+        inferq_redis_url=settings.redis_url,
     )
     return app
 

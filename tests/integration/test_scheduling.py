@@ -106,9 +106,15 @@ def test_a_premium_job_too_slow_for_its_deadline_holds_basic_jobs_back_while_it_
     basic_key = stack.create_key(Tier.BASIC)
     premium_key = stack.create_key(Tier.PREMIUM)
     tokens = DEFAULT_TIER_POLICIES[Tier.PREMIUM].max_tokens
-    # The pace of a premium job alone on the worker.
-    alone = _finals(stack, premium_key, [_long_job(stack, premium_key, tokens)])[0]
-    solo_s = (alone["timings"]["total_s"] - alone["timings"]["ttft_s"]) / tokens
+    # The pace of a premium job alone on the worker: the better of two runs, since one that
+    # met a busy moment of the host would give a deadline the flood's pace could still make.
+    solo_s = min(
+        (alone["timings"]["total_s"] - alone["timings"]["ttft_s"]) / tokens
+        for alone in (
+            _finals(stack, premium_key, [_long_job(stack, premium_key, tokens)])[0]
+            for _ in range(2)
+        )
+    )
     share = math.floor(DEFAULT_TIER_POLICIES[Tier.BASIC].engine_share * WORKER_CONCURRENCY)
     flood = _batch(stack, basic_key, 300, max_tokens=512, ignore_eos=True)
     held: list[float] = []

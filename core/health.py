@@ -50,9 +50,9 @@ class Health:
             return self._ready and time.monotonic() - self._beat < self.stall_s
 
 
-def health_app(health: Health, metrics: WsgiApp | None = None) -> WsgiApp:
+def health_app(health: Health) -> WsgiApp:
     """A WSGI app: `/healthz` and `/readyz` from `health`, every other path the metrics."""
-    metrics = metrics or make_wsgi_app()
+    metrics = make_wsgi_app()
     checks = {"/healthz": health.live, "/readyz": health.ready}
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:

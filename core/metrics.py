@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from prometheus_client import Counter, Gauge, Histogram, Summary, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, Summary
 
 from core.health import Health, serve_health
 
@@ -134,16 +134,13 @@ def count_submitted(tiers: Iterable[str]) -> None:
         JOBS_SUBMITTED.labels(tier).inc()
 
 
-def serve_metrics(port: int, address: str = "0.0.0.0", health: Health | None = None) -> None:
+def serve_metrics(port: int, health: Health, address: str = "0.0.0.0") -> None:
     """Expose this process's metrics on their own HTTP port (0: not at all), with `health`'s
     `/healthz` and `/readyz` on the same port (see `core.health`)."""
     if not port:
         return
     try:
-        if health is None:
-            start_http_server(port, addr=address)
-        else:
-            serve_health(port, health, address)
+        serve_health(port, health, address)
     except OSError as exc:
         raise RuntimeError(
             f"cannot serve metrics on port {port} ({exc.strerror}): give each process on this "

@@ -129,7 +129,7 @@ def scheduler() -> None:
 
     settings = _settings()
     health = Health()  # ready while its last tick reached Redis and the database
-    serve_metrics(settings.scheduler_metrics_port, health=health)
+    serve_metrics(settings.scheduler_metrics_port, health)
     stopped = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())

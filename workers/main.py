@@ -135,9 +135,7 @@ def run_worker(
     init_tracing("inferq-worker", settings.otlp_endpoint)
     # Live while its heartbeat turns; ready from the moment it takes jobs until it drains.
     health = Health()
-    serve_metrics(
-        settings.worker_metrics_port if metrics_port is None else metrics_port, health=health
-    )
+    serve_metrics(settings.worker_metrics_port if metrics_port is None else metrics_port, health)
     from workers.engine import VllmEngine  # imports vllm: only after pinning
 
     deltas = DeltaPublisher(EventPublisher(client, settings.job_key_ttl_s))

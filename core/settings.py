@@ -92,7 +92,14 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(
         default=30.0,
         description="A worker's claim on a job lapses this long after its last renewal (the "
-        "backstop: a dead worker is noticed sooner, when its name's 5 s claim lapses).",
+        "backstop: a dead worker is noticed sooner, when its name's claim lapses).",
+    )
+    worker_name_ttl_s: float = Field(
+        default=5.0,
+        gt=0.5,
+        description="A worker that stops renewing its name (it died, lost its network, or "
+        "stalled) is taken for lost this long after its last renewal, and its jobs are handed "
+        "on. Longer where a live worker may stall for seconds (an overloaded CPU host).",
     )
     api_redis_connections: int = Field(
         default=2000,

@@ -14,9 +14,11 @@ belongs to a process that died or stalled past the TTL, and the scheduler hands 
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -31,7 +33,8 @@ log = logging.getLogger(__name__)
 
 NAME_TTL_S = 5.0
 """A name whose process stops renewing it is free again this long after the last renewal, and
-the jobs it runs are taken for lost (renewed every TTL/3 from a thread of its own)."""
+the jobs it runs are taken for lost (renewed every TTL/3 from a thread of its own); the
+worker's default (`INFERQ_WORKER_NAME_TTL_S`)."""
 
 STARTING_TTL_S = 120.0
 """The claim's TTL until its worker has loaded the engine (`WorkerNameClaim.started`): loading
@@ -99,6 +102,7 @@ class WorkerNameClaim:
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._stopped = threading.Event()
+        self._watchdog = False
         self._renewer = threading.Thread(
             target=self._renew_loop, name="inferq-name-renewer", daemon=True
         )
@@ -109,8 +113,14 @@ class WorkerNameClaim:
         return self
 
     def started(self) -> None:
-        """The worker has started: from now on the claim lapses a TTL after its last renewal."""
+        """The worker has started: from now on the claim lapses a TTL after its last renewal.
+
+        From now on, too, a renewal late by most of the TTL dumps every thread's stack to
+        stderr (`faulthandler`, from a thread that needs no GIL): what stalled the process
+        shows in its log before its jobs are handed on.
+        """
         self._current_ttl_ms = self.ttl_ms
+        self._watchdog = True
         try:
             self.renew()
         except redis.RedisError as exc:  # the renewal thread sets it at its next turn
@@ -129,6 +139,10 @@ class WorkerNameClaim:
     def release(self) -> None:
         """Stop renewing and free the name, if it is still this process's."""
         self._stopped.set()
+        if self._watchdog:
+            if self._renewer.is_alive() and self._renewer is not threading.current_thread():
+                self._renewer.join(timeout=1.0)  # it arms the watchdog no more
+            faulthandler.cancel_dump_traceback_later()
         try:
             self._release(keys=[keys.worker_name_claim(self.name)], args=[self.token])
         except redis.RedisError:  # it lapses within the TTL by itself
@@ -136,12 +150,29 @@ class WorkerNameClaim:
 
     def _renew_loop(self) -> None:
         held = True
-        while not self._stopped.wait(self.ttl_ms / 3000):
+        interval_s = self.ttl_ms / 3000
+        last = time.monotonic()
+        while not self._stopped.wait(interval_s):
             try:
                 renewed = self.renew()
             except redis.RedisError as exc:  # once Redis is back, the claim is taken again
                 log.warning("could not renew worker name %r (%s); retrying", self.name, exc)
                 continue
+            now = time.monotonic()
+            if now - last > 2 * interval_s:  # a stall of the process: its jobs are at risk
+                log.warning(
+                    "worker name %r renewed %.1fs after the last renewal (every %.1fs, lapses "
+                    "after %.0fs)",
+                    self.name,
+                    now - last,
+                    interval_s,
+                    self._current_ttl_ms / 1000,
+                )
+            last = now
+            if self._watchdog and not self._stopped.is_set():
+                faulthandler.dump_traceback_later(
+                    (self.ttl_ms / 1000) * 0.8, file=sys.__stderr__ or sys.stderr
+                )
             if held and not renewed:
                 log.error(
                     "another process now goes by worker name %r (this one stalled past %.0fs)",

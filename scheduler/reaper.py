@@ -6,8 +6,8 @@ Each tick:
 - finds running jobs whose worker is gone and puts them back in their tier's queue for the next
   attempt — or, after `max_attempts`, ends them `failed` with `worker_lost`. A worker is gone
   when its name's claim no longer holds the token its job leases were taken with (the process
-  died or stalled: the claim lapses `core.workernames.NAME_TTL_S` after its last renewal, a few
-  seconds), or, failing that, when a job's lease has lapsed (`lease_ttl_s`);
+  died or stalled: the claim lapses `worker_name_ttl_s` after its last renewal, 5 s by
+  default), or, failing that, when a job's lease has lapsed (`lease_ttl_s`);
 - notices when Redis has lost its data (restarted without persistence, failed over to an empty
   replica, flushed) by the absence of a mark that never expires, and sends every queued job's
   message again: the database, not Redis, is the record of which jobs wait. A job whose message

@@ -96,15 +96,17 @@ def _tick() -> None:
     """Nothing: firing at all is what wakes Celery's event loop."""
 
 
-def claim_node_name(client: redis.Redis, spec: DeviceSpec, name: str | None) -> WorkerNameClaim:
+def claim_node_name(
+    client: redis.Redis, spec: DeviceSpec, name: str | None, ttl_s: float
+) -> WorkerNameClaim:
     """This worker's node name, held in Redis while it lives (see `core.workernames`).
 
     A name given explicitly is waited for briefly (its holder may be this worker's previous
     life); without one, the first free name for the devices: `cpu@host`, `cpu.2@host`, …
     """
     if name is not None:
-        return claim_name(client, name)
-    return claim_first_free(client, spec.node_names())
+        return claim_name(client, name, ttl_s=ttl_s)
+    return claim_first_free(client, spec.node_names(), ttl_s=ttl_s)
 
 
 def run_worker(
@@ -123,7 +125,7 @@ def run_worker(
     pin_devices(spec)
     client = sync_client(settings.redis_url)
     try:
-        name_claim = claim_node_name(client, spec, name)
+        name_claim = claim_node_name(client, spec, name, settings.worker_name_ttl_s)
     except WorkerNameTaken as exc:
         log.error("%s", exc)
         return 1

@@ -187,7 +187,15 @@ def test_streamed_jobs_continue_on_another_worker_from_what_was_streamed(stack: 
     # Long enough to be mid-generation once every reader has seen `shown` tokens: 20 readers
     # parsing SSE on a busy 2-core host fall seconds behind the engine.
     tokens, count, shown = 6000, 20, 200
-    with Victim(stack, concurrency=count).running() as victim, stack.client(key) as client:
+    # Generating 20 streamed jobs beside 20 SSE readers on 2 vCPUs once stalled the victim past
+    # its name's 5 s claim (once in a full CI run): taken for lost while it lived, its jobs were
+    # handed on before the kill. The claim's TTL here leaves room for such a stall; how fast a
+    # death is noticed is test_a_dead_workers_jobs_resume_within_seconds_whatever_its_lease's.
+    victim_env = {"INFERQ_WORKER_NAME_TTL_S": "15"}
+    with (
+        Victim(stack, env=victim_env, concurrency=count).running() as victim,
+        stack.client(key) as client,
+    ):
         with survivor_paused(stack), ThreadPoolExecutor(count) as pool:
             # A reader follows each job before it starts, so its deltas go out live from the
             # first (started while readers connect, the jobs would end before the last came).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import re
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -87,6 +88,29 @@ def test_a_claim_outlives_its_ttl_while_its_process_renews_it(
     ):
         claim_name(client, claim.name, ttl_s=0.6)  # waits its TTL and a second more
     claim.release()
+
+
+def test_a_process_stalled_near_its_claims_ttl_logs_every_threads_stack(
+    client: redis.Redis, host: str, capfd: pytest.CaptureFixture[str], caplog: Any
+) -> None:
+    claim = claim_name(client, f"cpu@{host}", ttl_s=0.6)
+    claim.started()
+    time.sleep(0.5)  # renewed at least once: the watchdog is armed
+    # A thread that keeps the GIL (as a long call into a C extension does) stalls the renewer.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    try:
+        stalled = time.monotonic()
+        while time.monotonic() - stalled < 1.0:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+    time.sleep(0.5)  # the renewer's next turn
+    claim.release()
+    dump = capfd.readouterr().err
+    assert "(most recent call first)" in dump, dump
+    assert "test_a_process_stalled_near_its_claims_ttl" in dump  # the staller, by name
+    assert "renewed" in caplog.text and "after the last renewal" in caplog.text
 
 
 def test_a_named_worker_waits_for_the_claim_of_a_process_that_died(

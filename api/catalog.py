@@ -1,4 +1,5 @@
-"""The models a job may name: the served model, and its registered LoRA adapters.
+"""The models a job may name: the served model, and its registered LoRA adapters; and the live
+workers that serve each (what their heartbeats publish, `core.workerinfo.Serving`).
 
 A job names its model (`model` in every body; the served model when left out). Any other name
 must be a registered adapter (`core.adapters`), and the deployment must serve adapters
@@ -13,8 +14,10 @@ from collections.abc import Iterable
 from starlette.concurrency import run_in_threadpool
 
 from api.services import Services
+from core import keys
 from core.adapters import Adapter
 from core.errors import ModelNotFound
+from core.workerinfo import Serving
 
 
 async def check_models(services: Services, names: Iterable[str | None]) -> None:
@@ -36,6 +39,19 @@ async def served_adapters(services: Services) -> list[Adapter]:
     if not services.settings.lora:
         return []
     return await run_in_threadpool(services.adapters.all)
+
+
+async def serving_workers(services: Services) -> dict[str, Serving]:
+    """Each live worker (its heartbeat current) and what it serves, by name."""
+    members = sorted(
+        name.decode() if isinstance(name, bytes) else str(name)
+        for name in await services.redis.smembers(keys.WORKERS_SET)
+    )
+    if not members:
+        return {}
+    replies = await services.redis.mget([keys.worker_serves(name) for name in members])
+    serving = {name: Serving.decode(raw) for name, raw in zip(members, replies, strict=True)}
+    return {name: served for name, served in serving.items() if served is not None}
 
 
 def _not_served(services: Services, name: str) -> str:

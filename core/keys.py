@@ -155,6 +155,11 @@ def worker_stats(worker_name: str) -> str:
     return f"{PREFIX}:worker:{worker_name}:stats"
 
 
+def worker_serves(worker_name: str) -> str:
+    """What a worker serves (`core.workerinfo.Serving`), set by its heartbeat with its stats."""
+    return f"{PREFIX}:worker:{worker_name}:serves"
+
+
 def worker_room_field(tier: Tier | str) -> str:
     """The field of `worker_stats` with how many more jobs of a tier the worker would take."""
     return f"room_{Tier(tier).value}"

@@ -27,6 +27,7 @@ from core.metrics import HELD_FOR_PACE, IN_FLIGHT, TIME_PER_TOKEN
 from core.settings import Settings
 from core.states import JobStatus
 from core.tiers import TIERS_BY_PRIORITY, Tier
+from core.workerinfo import Serving
 from workers.generation import GenerationResult
 from workers.leases import Leases, StaleLeases
 from workers.merging import MergingEngine
@@ -72,6 +73,7 @@ class JobRunner:
         self.worker_name = worker_name
         self.publisher = EventPublisher(redis_client, settings.job_key_ttl_s)
         self.stats = WorkerStats()
+        self.serving = Serving(settings.model_name, settings.lora).encode()
         self.leases = Leases(redis_client, settings.lease_ttl_s)
         self.deltas = deltas
         self.reserve = reserve
@@ -235,7 +237,8 @@ class JobRunner:
         return request_id is not None and self.engine.cancel(request_id)
 
     def renew_leases(self) -> None:
-        """Extend the lease of every job in flight here, and publish this worker's counters.
+        """Extend the lease of every job in flight here, and publish this worker's counters and
+        the model it serves.
 
         The heartbeat calls this every second; it also releases the leases this worker may
         still hold without knowing it (`StaleLeases`), and watches running jobs that have
@@ -257,6 +260,7 @@ class JobRunner:
             self._show_pace(self.reserve.pace)
         pipe.hset(keys.worker_stats(self.worker_name), mapping=counters)
         pipe.expire(keys.worker_stats(self.worker_name), STATS_TTL_S)
+        pipe.set(keys.worker_serves(self.worker_name), self.serving, ex=STATS_TTL_S)
         pipe.sadd(keys.WORKERS_SET, self.worker_name)
         if running and self.deltas is not None:
             # Readers subscribed to a job's channel straight on Redis watch it too.
@@ -280,7 +284,7 @@ class JobRunner:
         Its name stays in the workers set, so the dispatcher hands whatever is left in (or
         comes back to) its own queues over to the shared ones.
         """
-        self.redis.delete(keys.worker_stats(self.worker_name))
+        self.redis.delete(keys.worker_stats(self.worker_name), keys.worker_serves(self.worker_name))
 
 
 def _on_recorded(

@@ -202,16 +202,22 @@ def check_model(served: str, requested: str, adapters: Collection[str] = ()) -> 
 
 
 def model_card(
-    name: str, created: int, max_model_len: int, parent: str | None = None
+    name: str,
+    created: int,
+    max_model_len: int,
+    parent: str | None = None,
+    workers: list[str] | None = None,
 ) -> dict[str, Any]:
     """A model as `GET /v1/models` lists it; an adapter names the model it adapts (`parent`,
-    as vLLM's server lists its LoRA modules)."""
+    as vLLM's server lists its LoRA modules). `workers`: the live workers serving it (an
+    inferq field that OpenAI's clients ignore)."""
     card: dict[str, Any] = {
         "id": name,
         "object": "model",
         "created": created,
         "owned_by": "inferq",
         "max_model_len": max_model_len,
+        "workers": workers or [],
     }
     if parent is not None:
         card["parent"] = parent

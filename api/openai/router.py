@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from api.catalog import check_models, served_adapters
+from api.catalog import check_models, served_adapters, serving_workers
 from api.deps import PrincipalDep, ServicesDep
 from api.openai.chat_prompt import render_chat
 from api.openai.protocol import (
@@ -39,9 +39,18 @@ _STREAM_DOC: dict[int | str, dict[str, Any]] = {
 
 async def _cards(services: Services) -> list[dict[str, Any]]:
     model = services.model
-    served = model_card(model.name, model.created, model.max_model_len)
+    workers = await serving_workers(services)
+    base = sorted(name for name, serving in workers.items() if serving.model == model.name)
+    with_adapters = [name for name in base if workers[name].adapters]
+    served = model_card(model.name, model.created, model.max_model_len, workers=base)
     adapters = [
-        model_card(adapter.name, model.created, model.max_model_len, parent=model.name)
+        model_card(
+            adapter.name,
+            model.created,
+            model.max_model_len,
+            parent=model.name,
+            workers=with_adapters,
+        )
         for adapter in await served_adapters(services)
     ]
     return [served, *adapters]
@@ -49,7 +58,8 @@ async def _cards(services: Services) -> list[dict[str, Any]]:
 
 @router.get("/models")
 async def list_models(_principal: PrincipalDep, services: ServicesDep) -> dict[str, Any]:
-    """The served model and its registered LoRA adapters, in OpenAI's list format."""
+    """The served model and its registered LoRA adapters, in OpenAI's list format, each with
+    the live workers that serve it (`workers`)."""
     return {"object": "list", "data": await _cards(services)}
 
 

@@ -78,9 +78,10 @@ def test_an_adapter_registered_at_run_time_changes_only_the_jobs_that_name_it(
     key = stack.create_key(Tier.PREMIUM)
     with stack.client(key) as client:
         models = client.get("/v1/models").json()["data"]
-        assert [(m["id"], m.get("parent")) for m in models] == [
-            (served, None),
-            ("storyteller", served),
+        # Each with the workers that serve it: here the stack's one, which loads adapters.
+        assert [(m["id"], m.get("parent"), m["workers"]) for m in models] == [
+            (served, None, [stack.worker_name]),
+            ("storyteller", served, [stack.worker_name]),
         ]
         assert client.get("/v1/models/storyteller").json()["parent"] == served
 
@@ -164,7 +165,9 @@ def test_without_lora_a_job_naming_an_adapter_is_refused_and_stores_nothing(
     key = stack.create_key(Tier.STANDARD)
     before = _job_count(stack)
     with stack.client(key) as client:
-        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [stack.model_name]
+        models = client.get("/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [stack.model_name]
+        assert stack.worker_name in models[0]["workers"]
         response = client.post("/v1/jobs", json={"prompt": PROMPT, "model": store.all()[-1].name})
     assert response.status_code == 404
     error = response.json()["error"]

@@ -7,7 +7,8 @@ Each tick:
   attempt — or, after `max_attempts`, ends them `failed` with `worker_lost`. A worker is gone
   when its name's claim no longer holds the token its job leases were taken with (the process
   died or stalled: the claim lapses `worker_name_ttl_s` after its last renewal, 5 s by
-  default), or, failing that, when a job's lease has lapsed (`lease_ttl_s`);
+  default, and is still missing `CLAIM_MISSING_S` later), or, failing that, when a job's
+  lease has lapsed (`lease_ttl_s`);
 - notices when Redis has lost its data (restarted without persistence, failed over to an empty
   replica, flushed) by the absence of a mark that never expires, and sends every queued job's
   message again: the database, not Redis, is the record of which jobs wait. A job whose message
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -41,6 +43,11 @@ from core.states import JobStatus
 from core.workernames import lease_holder
 
 log = logging.getLogger(__name__)
+
+CLAIM_MISSING_S = 2.5
+"""How long a worker's name claim must stay missing before its jobs are handed on: longer
+than a live worker takes to set it again (its next renewal, every 1.7 s by default) when Redis
+let it lapse — starved of CPU past the claim's TTL, or failed over without it."""
 
 # KEYS[1]: a job's lease; ARGV[1]: the value it was read with. Deleted only if still that value.
 _DROP_LEASE = """
@@ -71,6 +78,7 @@ class Scheduler:
         self.celery = celery
         self.publisher = EventPublisher(client, settings.job_key_ttl_s)
         self._drop_lease = client.register_script(_DROP_LEASE)
+        self._missing_since: dict[str, float] = {}  # worker → when its claim was first missed
 
     def tick(self) -> TickReport:
         """Do one round of periodic work."""
@@ -114,6 +122,7 @@ class Scheduler:
     def _reap(self, now: datetime, report: TickReport) -> None:
         candidates = self.store.running()
         if not candidates:
+            self._missing_since.clear()
             return
         workers = sorted({job.worker for job in candidates if job.worker})
         pipe = self.redis.pipeline(transaction=False)
@@ -124,13 +133,14 @@ class Scheduler:
         replies = pipe.execute()
         leases = replies[: len(candidates)]
         claims = dict(zip(workers, replies[len(candidates) :], strict=True))
+        lost = self._lost_workers(claims)
         lapsed_before = now - timedelta(seconds=self.settings.lease_ttl_s)
         for job, lease in zip(candidates, leases, strict=True):
             if lease is None:
                 if job.started_at is not None and as_utc(job.started_at) >= lapsed_before:
                     continue  # the worker may be about to record its end
                 how = "its lease lapsed"
-            elif self._holder_gone(job, lease, claims.get(job.worker or "")):
+            elif self._holder_gone(job, lease, claims.get(job.worker or ""), lost):
                 how = "its worker no longer holds its name"
             else:
                 continue
@@ -169,10 +179,29 @@ class Scheduler:
                     self.celery, job.id, job.tier, {ENQUEUED_AT_HEADER: f"{submitted_at:.6f}"}
                 )
 
-    def _holder_gone(self, job: Job, lease: bytes, claim: bytes | None) -> bool:
-        """Whether the process that took the job's lease no longer holds its worker name; if so,
-        the lease is deleted (unless it changed meanwhile), so the next worker can claim it."""
-        if job.worker is None or (claim is not None and lease_holder(lease) == claim.decode()):
+    def _lost_workers(self, claims: dict[str, bytes | None]) -> set[str]:
+        """The workers whose name's claim has been missing for `CLAIM_MISSING_S` or longer.
+
+        A claim missed once may be back at its worker's next renewal: Redis was starved of CPU
+        or failed over while the claim's TTL ran out, and the live worker takes it again.
+        """
+        now = time.monotonic()
+        self._missing_since = {
+            worker: self._missing_since.get(worker, now)
+            for worker, claim in claims.items()
+            if claim is None
+        }
+        return {w for w, since in self._missing_since.items() if now - since >= CLAIM_MISSING_S}
+
+    def _holder_gone(self, job: Job, lease: bytes, claim: bytes | None, lost: set[str]) -> bool:
+        """Whether the process that took the job's lease no longer holds its worker name (its
+        claim has been missing long enough, or another process holds it); if so, the lease is
+        deleted (unless it changed meanwhile), so the next worker can claim it."""
+        if job.worker is None:
+            return False
+        if claim is None and job.worker not in lost:
+            return False
+        if claim is not None and lease_holder(lease) == claim.decode():
             return False
         return bool(self._drop_lease(keys=[keys.job_lease(job.id)], args=[lease]))
 

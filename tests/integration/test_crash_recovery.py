@@ -160,12 +160,48 @@ def test_a_dead_workers_jobs_resume_within_seconds_whatever_its_lease(stack: Sta
             time.sleep(0.05)
         resumed_s = time.monotonic() - killed_at
     print(f"\n{len(on_victim)} jobs resumed on the survivor {resumed_s:.1f} s after the kill")
-    assert resumed_s < 20, resumed_s  # the claim's 5 s TTL and a tick; the lease: 120 s
+    assert resumed_s < 20, resumed_s  # the claim's 5 s TTL, 2.5 s missing, a tick; the lease: 120 s
     with stack.client(key) as client:
         done = [wait_final(client, job_id, timeout_s=180) for job_id in on_victim]
     assert [job["status"] for job in done] == ["succeeded"] * len(on_victim), done
     assert all(job["attempt"] == 2 for job in done)
     assert all(job["usage"]["completion_tokens"] == TOKENS for job in done)
+
+
+def test_a_live_workers_claim_that_redis_lost_for_a_moment_hands_nothing_on(
+    stack: Stack,
+) -> None:
+    """Redis starved of CPU past a claim's TTL, or failed over without it, loses the claim of
+    a live worker; the worker sets it again at its next renewal, and its jobs stay its own."""
+    key = stack.create_key(Tier.PREMIUM)
+    claim = keys.worker_name_claim(stack.worker_name)
+    tokens = 2048  # the premium cap; 12 at once make each step slower, so they run for seconds
+    with stack.client(key) as client:
+        jobs = [
+            stack.submit(key, prompt=f"Keep me, {i}.", max_tokens=tokens, ignore_eos=True)
+            for i in range(12)
+        ]
+
+        def statuses() -> set[str]:
+            return {client.get(f"/v1/jobs/{job['id']}").json()["status"] for job in jobs}
+
+        deadline = time.monotonic() + 60
+        while statuses() != {"running"}:
+            assert time.monotonic() < deadline, "the jobs did not all start"
+            time.sleep(0.05)
+        for _ in range(2):
+            token = stack.redis.get(claim)
+            assert token is not None
+            stack.redis.delete(claim)  # missing until the worker's next renewal (≤ 1.7 s)
+            while stack.redis.get(claim) != token:
+                assert time.monotonic() < deadline, "the worker did not set its claim again"
+                time.sleep(0.02)
+            time.sleep(1.0)  # the scheduler (ticking every 0.5 s) sees it back
+        assert statuses() == {"running"}  # each loss came while they generated
+        done = [wait_final(client, job["id"], timeout_s=180) for job in jobs]
+    assert [job["status"] for job in done] == ["succeeded"] * len(jobs), done
+    assert [job["attempt"] for job in done] == [1] * len(jobs)  # none handed on
+    assert all(job["usage"]["completion_tokens"] == tokens for job in done)
 
 
 def _until_streamed(stack: Stack, key: str, job_id: str, tokens: int) -> list[dict[str, Any]]:

@@ -155,6 +155,11 @@ def run_worker(
         stats_label=node_name if settings.engine_metrics else None,
     )
     vllm.start()
+    # The engine's objects, the bulk of the heap, are collected and frozen while the claim's
+    # long start-up TTL still runs: walking them stops every thread, the claim's renewer too,
+    # for up to 0.7 s on a quiet host and longer on one short of CPU. The freeze at ready
+    # then walks only what was made since.
+    freeze_heap()
     name_claim.started()  # the engine is loaded: the claim's short TTL applies from now on
     engine.attach(vllm)
     runner = JobRunner(
@@ -198,7 +203,8 @@ def run_worker(
         heartbeat.start()
         health.set_ready(True)
         # Start-up is over: full collections of the engine's and Celery's objects stalled
-        # the whole worker for up to 0.7 s at a time (core.heap).
+        # the whole worker for up to 0.7 s at a time (core.heap). What Celery and the runner
+        # made since the engine's freeze joins it.
         freeze_heap()
 
     worker_ready.connect(announce, weak=False)

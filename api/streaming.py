@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import redis.exceptions
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from api.cancelling import cancel_job
 from api.services import Services
-from api.submission import cancel_job
 from core.errors import InvalidRequest, JobAlreadyFinal
 from core.events import is_final, read_events, watch_job
 from core.models import Job
@@ -28,6 +29,12 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
 """How often an idle stream sends a keep-alive (and rechecks the job's row)."""
+
+REDIS_PATIENCE_S = 30.0
+"""How long a stream waits out Redis errors (a dropped connection, a server starved of CPU, a
+failover) before it gives up and closes; its reader then resumes with Last-Event-ID."""
+
+_RETRY_EVERY_S = 0.5
 
 
 def parse_last_event_id(value: str | None) -> int:
@@ -74,7 +81,7 @@ async def follow_events(
     # A job already final: replay what is there without waiting.
     if JobStatus(job.status).is_final:
         while True:
-            events = await read_events(services.redis, job.id, last, block_ms=None)
+            events = await _read(services, job.id, last, block_ms=None)
             for event in events:
                 last = event["seq"]
                 yield event
@@ -88,7 +95,7 @@ async def follow_events(
     idle_since = time.monotonic()
     while True:
         block_ms = int(max(0.001, heartbeat_s - (time.monotonic() - idle_since)) * 1000)
-        events = await read_events(services.redis, job.id, last, block_ms=block_ms)
+        events = await _read(services, job.id, last, block_ms=block_ms)
         for event in events:
             last = event["seq"]
             yield event
@@ -102,7 +109,7 @@ async def follow_events(
             current = await run_in_threadpool(services.jobs.get, job.id)
             if current is not None and JobStatus(current.status).is_final:
                 # One more read: the final event may have landed since the last one.
-                events = await read_events(services.redis, job.id, last, block_ms=None)
+                events = await _read(services, job.id, last, block_ms=None)
                 for event in events:
                     last = event["seq"]
                     yield event
@@ -111,6 +118,29 @@ async def follow_events(
                 yield final_event_from_row(current, last + 1)
                 return
             yield None
+
+
+async def _read(
+    services: Services, job_id: str, after_seq: int, *, block_ms: int | None
+) -> list[dict[str, Any]]:
+    """`read_events`, tried again while Redis fails for up to `REDIS_PATIENCE_S`.
+
+    Reading is safe to repeat, and a reader would otherwise lose its stream to a moment's
+    outage: a connection dropped, or Redis (or this process) starved of CPU past the socket's
+    timeout.
+    """
+    failing_since: float | None = None
+    while True:
+        try:
+            return await read_events(services.redis, job_id, after_seq, block_ms=block_ms)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = now
+                log.warning("job %s: reading its events failed (%s); trying again", job_id, exc)
+            if now - failing_since >= REDIS_PATIENCE_S:
+                raise
+            await anyio.sleep(_RETRY_EVERY_S)
 
 
 def sse_frame(event: dict[str, Any]) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from core.jobs import JobStore
 from core.new_jobs import NewJob
 from core.states import JobStatus
 from core.tiers import Tier
+from tests.netcut import cut_redis_connections
 from tests.support import (
     BLOCKER_TOKENS,
     FINAL_EVENTS,
@@ -24,6 +27,7 @@ from tests.support import (
     redis_server,
     streamed_text,
     wait_final,
+    worker_paused,
 )
 from workers.generation import Delta, GenerationResult
 from workers.leases import Leases
@@ -76,6 +80,28 @@ def test_resume_with_last_event_id_loses_and_repeats_nothing(stack: Stack) -> No
     with stack.client(key) as client:
         again = read_sse(client, job["id"], last_event_id=replay[-1]["seq"])
     assert [e["type"] for e in again] == [replay[-1]["type"]]
+
+
+def test_a_stream_outlives_the_apis_redis_connections_dropping(stack: Stack) -> None:
+    """A reader waiting on a job whose API process loses its Redis connections (a network
+    blip, a proxy's idle timeout) keeps its stream: every event once, up to the final one."""
+    key = stack.create_key(Tier.STANDARD)
+    api_pid = next(process.pid for name, process in stack.local.processes if name == "api")
+    with stack.client(key) as client, ThreadPoolExecutor(1) as pool:
+        with worker_paused(stack):  # the job waits, its reader blocked on Redis for the next event
+            job = stack.submit(key, prompt="Outlive the blip.", max_tokens=200, ignore_eos=True)
+            reader = pool.submit(read_sse, client, job["id"])
+            deadline = time.monotonic() + 30
+            while not stack.redis.exists(keys.job_watched(job["id"])):
+                assert time.monotonic() < deadline, "the reader did not connect"
+                time.sleep(0.05)
+            time.sleep(0.5)
+            assert cut_redis_connections(stack.redis, api_pid) > 0
+        events = reader.result(timeout=120)
+        done = wait_final(client, job["id"])
+    _check_stream(events)
+    assert events[-1]["type"] == "done" and done["status"] == "succeeded"
+    assert streamed_text(events) == done["text"]
 
 
 @pytest.mark.parametrize("bad", ["abc", "-1", "1.5", "0x10", "9" * 30])

@@ -19,5 +19,7 @@ fi
 for arg in "$@"; do
   case "$arg" in -*) ;; *) exit 0 ;; esac
 done
+# One SIGKILL there: the kills' count is the main pass's business.
 echo "test: the job's lifecycle on stock Celery (INFERQ_CELERY_MODE=stock)"
-INFERQ_CELERY_MODE=stock exec .venv/bin/pytest "$@" -m lifecycle -k "not postgresql" tests/integration
+INFERQ_CELERY_MODE=stock INFERQ_TEST_KILL_TRIALS=1 \
+  exec .venv/bin/pytest "$@" -m lifecycle -k "not postgresql" tests/integration

@@ -15,6 +15,10 @@ freshly started system), everything is admitted; a job with nothing ahead of it 
 A rate measured under light load is the demand, not what the workers can take: the free slots
 keep it from refusing a large batch sent right after a small one.
 
+Each model (its lane, see `core.keys.queue_name`) is judged alone: the workers count their
+starts and ends under their model's lane, and a job waits only for the jobs of its model, so a
+flood on one model does not refuse another model's jobs.
+
 Every submission is decided on a read of Redis made after it arrived or while it arrived, never
 on a remembered one: with Redis out, a submission is refused with 503 before anything is stored.
 Submissions that arrive while a read is under way share it (`QueueStateReader`), so a burst of
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -34,7 +39,7 @@ import redis.exceptions
 from core import keys
 from core.errors import QueueFull, ServiceUnavailable
 from core.new_jobs import NewJob
-from core.queue.routing import WAITING_SCRIPT, waiting_args
+from core.queue.routing import WAITING_SCRIPT, waiting_args, waiting_by_lane
 from core.tiers import TIERS_BY_PRIORITY, Tier
 
 BUCKET_S = keys.RATE_BUCKET_S
@@ -47,30 +52,54 @@ ADMIT_SHARE = 0.8
 the estimate lags changes in load by up to `RATE_BUCKETS` buckets."""
 
 
-# ARGV: the workers set, the stats key's prefix and suffix, then one room field per tier. Sums
-# each field over the workers whose stats hash exists (live ones).
+# ARGV: the workers set, the workers' lanes hash, the stats key's prefix and suffix, the number
+# of lanes, the lanes ('' for the first model's), then one room field per tier. Sums each field
+# over the workers of each lane whose stats hash exists (live ones): lane by lane, tier by tier.
 _ROOM_SCRIPT = """
-local sums = {}
-for i = 4, #ARGV do sums[i - 3] = 0 end
+local lanes = tonumber(ARGV[5])
+local first = 6 + lanes
+local width = #ARGV - first + 1
+local index, sums = {}, {}
+for l = 1, lanes do
+  index[ARGV[5 + l]] = l
+  for f = 1, width do sums[(l - 1) * width + f] = 0 end
+end
 for _, name in ipairs(redis.call('SMEMBERS', ARGV[1])) do
-  local values = redis.call('HMGET', ARGV[2] .. name .. ARGV[3], unpack(ARGV, 4))
-  for i = 1, #ARGV - 3 do
-    if values[i] then sums[i] = sums[i] + tonumber(values[i]) end
+  local l = index[redis.call('HGET', ARGV[2], name) or '']
+  if l then
+    local values = redis.call('HMGET', ARGV[3] .. name .. ARGV[4], unpack(ARGV, first))
+    for f = 1, width do
+      if values[f] then
+        sums[(l - 1) * width + f] = sums[(l - 1) * width + f] + tonumber(values[f])
+      end
+    end
   end
 end
 return sums
 """
 
 
-def _room_args() -> list[str]:
+def _room_args(lanes: Sequence[str | None]) -> list[str]:
     prefix, suffix = keys.worker_stats("\0").split("\0")
-    return [keys.WORKERS_SET, prefix, suffix, *map(keys.worker_room_field, TIERS_BY_PRIORITY)]
+    return [
+        keys.WORKERS_SET,
+        keys.WORKER_LANES,
+        prefix,
+        suffix,
+        str(len(lanes)),
+        *(lane or "" for lane in lanes),
+        *map(keys.worker_room_field, TIERS_BY_PRIORITY),
+    ]
 
 
-async def waiting_counts(client: aioredis.Redis) -> dict[Tier, int]:
-    """Jobs waiting per tier: queued messages (shared and routed) plus jobs held back."""
-    counts = await client.eval(WAITING_SCRIPT, 0, *waiting_args())
-    return {tier: int(n) for tier, n in zip(TIERS_BY_PRIORITY, counts, strict=True)}
+async def waiting_counts(
+    client: aioredis.Redis, lanes: Sequence[str | None] = (None,)
+) -> dict[Tier, int]:
+    """Jobs waiting per tier, over the `lanes`: queued messages (shared and routed) plus jobs
+    held back."""
+    counts = await client.eval(WAITING_SCRIPT, 0, *waiting_args(lanes))
+    by_lane = waiting_by_lane(counts, lanes)
+    return {tier: sum(by_lane[lane][tier] for lane in lanes) for tier in TIERS_BY_PRIORITY}
 
 
 async def measured_capacity(client: aioredis.Redis) -> float:
@@ -80,12 +109,13 @@ async def measured_capacity(client: aioredis.Redis) -> float:
     was asked, not what the workers can do (a warm-up job followed by a batch of 64 would read
     as 0.1 jobs/s, and the batch be refused as if it would wait 630 s).
     """
-    return (await QueueStateReader(client).read()).capacity
+    return (await QueueStateReader(client).read())[None].capacity
 
 
 @dataclass(frozen=True)
 class QueueState:
-    """What admission control goes by: the measured capacity and the jobs waiting per tier."""
+    """What admission control goes by for one lane (the jobs of one model, see
+    `core.keys.queue_name`): the measured capacity and the jobs waiting per tier."""
 
     capacity: float
     """Jobs per second (0: not measured)."""
@@ -106,12 +136,17 @@ class QueueStateReader:
     unreachable Redis fails every caller that asks from then on.
     """
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, lanes: Sequence[str | None] = (None,)) -> None:
         self._redis = client
-        self._reading: asyncio.Task[QueueState] | None = None
+        self._lanes = list(lanes)
+        self._reading: asyncio.Task[dict[str | None, QueueState]] | None = None
 
-    async def read(self) -> QueueState:
-        """The queue's state as of a read that ended after this call began."""
+    def lane_of(self, model: str | None) -> str | None:
+        """The lane of a job's model (as `core.settings.Settings.lane_of`)."""
+        return model if model is not None and model in self._lanes else None
+
+    async def read(self) -> dict[str | None, QueueState]:
+        """Each lane's state as of a read that ended after this call began."""
         task = self._reading
         if task is None:
             task = self._reading = asyncio.ensure_future(self._read())
@@ -119,53 +154,73 @@ class QueueStateReader:
         # A caller that goes away (its client hung up) does not cancel the others' read.
         return await asyncio.shield(task)
 
-    def _ended(self, task: asyncio.Task[QueueState]) -> None:
+    def _ended(self, task: asyncio.Task[dict[str | None, QueueState]]) -> None:
         if self._reading is task:
             self._reading = None
         if not task.cancelled():
             task.exception()  # seen, even when every caller went away before it ended
 
-    async def _read(self) -> QueueState:
+    async def _read(self) -> dict[str | None, QueueState]:
         current = int(time.time()) // BUCKET_S
         window = range(current - WINDOW_BUCKETS, current)
-        names = [keys.finished_bucket(b) for b in window]
-        for tier in TIERS_BY_PRIORITY:
-            names += [keys.started_tier_bucket(tier, b) for b in window[-RATE_BUCKETS:]]
-            names += [keys.finished_tier_bucket(tier, b) for b in window]
-            names += [keys.run_ms_bucket(tier, b) for b in window]
+        names: list[str] = []
+        for lane in self._lanes:
+            names += [keys.finished_bucket(b, lane) for b in window]
+            for tier in TIERS_BY_PRIORITY:
+                names += [keys.started_tier_bucket(tier, b, lane) for b in window[-RATE_BUCKETS:]]
+                names += [keys.finished_tier_bucket(tier, b, lane) for b in window]
+                names += [keys.run_ms_bucket(tier, b, lane) for b in window]
         pipe = self._redis.pipeline(transaction=False)
         pipe.mget(names)
-        pipe.eval(WAITING_SCRIPT, 0, *waiting_args())
-        pipe.eval(_ROOM_SCRIPT, 0, *_room_args())
+        pipe.eval(WAITING_SCRIPT, 0, *waiting_args(self._lanes))
+        pipe.eval(_ROOM_SCRIPT, 0, *_room_args(self._lanes))
         values, counts, rooms = await pipe.execute()
         numbers = iter([int(value or 0) for value in values])
-        best = max(next(numbers) for _ in window)
-        started: dict[Tier, float] = {}
-        run_s: dict[Tier, float] = {}
-        for tier in TIERS_BY_PRIORITY:
-            starts = sum(next(numbers) for _ in range(RATE_BUCKETS))
-            finished = sum(next(numbers) for _ in window)
-            run_ms = sum(next(numbers) for _ in window)
-            started[tier] = starts / (RATE_BUCKETS * BUCKET_S) if starts >= MIN_MEASURED_JOBS else 0
-            run_s[tier] = run_ms / 1000 / finished if finished else 0.0
-        return QueueState(
-            capacity=best / BUCKET_S if best >= MIN_MEASURED_JOBS else 0.0,
-            waiting={tier: int(n) for tier, n in zip(TIERS_BY_PRIORITY, counts, strict=True)},
-            started=started,
-            run_s=run_s,
-            room={tier: int(n) for tier, n in zip(TIERS_BY_PRIORITY, rooms, strict=True)},
-        )
+        waiting = waiting_by_lane(counts, self._lanes)
+        free = iter(int(n) for n in rooms)
+        states: dict[str | None, QueueState] = {}
+        for lane in self._lanes:
+            best = max(next(numbers) for _ in window)
+            started: dict[Tier, float] = {}
+            run_s: dict[Tier, float] = {}
+            for tier in TIERS_BY_PRIORITY:
+                starts = sum(next(numbers) for _ in range(RATE_BUCKETS))
+                finished = sum(next(numbers) for _ in window)
+                run_ms = sum(next(numbers) for _ in window)
+                measured = starts >= MIN_MEASURED_JOBS
+                started[tier] = starts / (RATE_BUCKETS * BUCKET_S) if measured else 0
+                run_s[tier] = run_ms / 1000 / finished if finished else 0.0
+            states[lane] = QueueState(
+                capacity=best / BUCKET_S if best >= MIN_MEASURED_JOBS else 0.0,
+                waiting=waiting[lane],
+                started=started,
+                run_s=run_s,
+                room={tier: next(free) for tier in TIERS_BY_PRIORITY},
+            )
+        return states
 
 
 async def admit_to_queue(queue_state: QueueStateReader, batch: list[NewJob]) -> None:
-    """Raise `QueueFull` if the batch's jobs would wait past what their deadlines allow."""
+    """Raise `QueueFull` if the batch's jobs would wait past what their deadlines allow.
+
+    The jobs of each model are judged by that model's queues and workers alone.
+    """
     if not batch:
         return
     try:
-        state = await queue_state.read()
+        states = await queue_state.read()
     except redis.exceptions.RedisError as exc:
         # Refused before anything is stored: the job could not be enqueued now anyway.
         raise ServiceUnavailable("The queue is unavailable; retry shortly.") from exc
+    by_lane: dict[str | None, list[NewJob]] = {}
+    for new in batch:
+        by_lane.setdefault(queue_state.lane_of(new.model), []).append(new)
+    for lane, jobs in by_lane.items():
+        _admit(states[lane], jobs, lane)
+
+
+def _admit(state: QueueState, batch: list[NewJob], lane: str | None) -> None:
+    """Raise `QueueFull` if the jobs of one lane would wait past what their deadlines allow."""
     tier = Tier(batch[0].tier)
     # What the tier's queue drains at: what its jobs started at, or, if more, the capacity the
     # tiers above leave it (a tier with little demand started few jobs, and could start more).
@@ -193,8 +248,9 @@ async def admit_to_queue(queue_state: QueueStateReader, batch: list[NewJob]) -> 
     runs = f" (less the {run_s:.1f} s a {tier.value} job runs)" if run_s else ""
     if free:
         pace += f" once the {free} free worker slots are taken"
+    queue = f"{tier.value} queue" + (f" of the model {lane}" if lane else "")
     raise QueueFull(
-        f"The {tier.value} queue is full: {ahead} jobs are waiting ahead, and at {pace} this "
+        f"The {queue} is full: {ahead} jobs are waiting ahead, and at {pace} this "
         f"{'batch' if len(batch) > 1 else 'job'} would wait about {wait_s:.0f} s, past what its "
         f"queue limit of {queue_limit_s:g} s allows{runs}. Retry in {retry_after} s.",
         retry_after=retry_after,

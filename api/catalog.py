@@ -1,10 +1,11 @@
-"""The models a job may name: the served model, and its registered LoRA adapters; and the live
-workers that serve each (what their heartbeats publish, `core.workerinfo.Serving`).
+"""The models a job may name: the served models, and the first one's registered LoRA adapters;
+and the live workers that serve each (what their heartbeats publish, `core.workerinfo.Serving`).
 
-A job names its model (`model` in every body; the served model when left out). Any other name
-must be a registered adapter (`core.adapters`), and the deployment must serve adapters
-(`INFERQ_LORA`); else the request is refused before anything is stored. A request for the
-served model costs no lookup; one naming adapters costs one database read for all of them.
+A job names its model (`model` in every body; the first served model when left out): one of
+the served models (`INFERQ_MODEL`, `INFERQ_MODELS`), or a registered adapter (`core.adapters`)
+where the deployment serves adapters (`INFERQ_LORA`); else the request is refused before
+anything is stored. A request for a served model costs no lookup; one naming adapters costs one
+database read for all of them.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from core.workerinfo import Serving
 
 
 async def check_models(services: Services, names: Iterable[str | None]) -> None:
-    """Raise ModelNotFound unless every name is the served model or a registered adapter."""
-    served = services.model.name
-    wanted = {name for name in names if name is not None and name != served}
+    """Raise ModelNotFound unless every name is a served model or a registered adapter."""
+    served = set(services.models.names())
+    wanted = {name for name in names if name is not None and name not in served}
     if not wanted:
         return
     found = (
@@ -55,7 +56,7 @@ async def serving_workers(services: Services) -> dict[str, Serving]:
 
 
 def _not_served(services: Services, name: str) -> str:
-    served = services.model.name
+    served = "', '".join(services.models.names())
     if not services.settings.lora:
         return (
             f"The model '{name}' does not exist; this server serves '{served}' and no adapters "

@@ -66,7 +66,7 @@ def _route(scope: Scope) -> str:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(services: ServicesDep) -> Response:
     """Prometheus exposition; queue lengths (held jobs included) are read at scrape time."""
-    for tier, waiting in (await waiting_counts(services.redis)).items():
+    for tier, waiting in (await waiting_counts(services.redis, services.settings.lanes)).items():
         QUEUE_LENGTH.labels(tier.value).set(waiting)
     registry = REGISTRY
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

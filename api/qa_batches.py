@@ -20,10 +20,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from api.cancelling import cancel_batch_jobs
 from api.openai.chat_prompt import render_chat
 from api.schemas import NO_NUL, JobCreate, Message
 from api.services import Services
-from api.submission import cancel_batch_jobs, submit_jobs
+from api.submission import submit_jobs
 from core.apikeys import Principal
 from core.batches import BatchStore, new_batch_id
 from core.errors import ClientError, ContextLengthExceeded, InvalidRequest, NotFound
@@ -227,7 +228,8 @@ async def create_batch(services: Services, principal: Principal, body: QaBatchCr
         prompt_template=body.prompt_template,
         sampling_params=body.model_dump(exclude=PROMPTING_FIELDS),
     )
-    prompts = await run_in_threadpool(body.counted_prompts, services.model, document)
+    model = services.models.of(body.model)
+    prompts = await run_in_threadpool(body.counted_prompts, model, document)
     # Every question's job asks the same of the engine; its prompt is made above.
     job = body.job(document, body.questions[0])
     try:

@@ -42,8 +42,8 @@ class JobCreate(BaseModel):
         min_length=1,
         max_length=200,
         pattern=NO_NUL,
-        description="The served model (the default) or a registered LoRA adapter of it; "
-        "GET /v1/models lists them.",
+        description="A served model (default: the first, INFERQ_MODEL) or a registered LoRA "
+        "adapter of the first; GET /v1/models lists them.",
     )
     experiment: str | None = Field(
         default=None,
@@ -164,7 +164,7 @@ class JobOut(BaseModel):
     status: str
     tier: str
     model: str | None = Field(
-        description="What the job runs on: the served model's name, or its LoRA adapter's."
+        description="What the job runs on: a served model's name, or a LoRA adapter's."
     )
     created_at: datetime
     text: str | None

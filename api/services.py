@@ -17,7 +17,7 @@ from core.apikeys import KeyStore, Principal
 from core.db import Database
 from core.events import AsyncEventPublisher
 from core.jobs import JobStore
-from core.modelinfo import ModelInfo, load_model_info
+from core.modelinfo import ModelInfo, ServedModels, load_served_models
 from core.queue.app import make_celery_app
 from core.queue.dispatch import Dispatcher
 from core.quotas import QuotaLimiter
@@ -64,7 +64,7 @@ class Services:
     redis: aioredis.Redis
     events: AsyncEventPublisher
     celery: Celery
-    model: ModelInfo
+    models: ServedModels
     principals: PrincipalCache
     submissions: SubmissionBatcher
     dispatcher: Dispatcher
@@ -104,18 +104,26 @@ class Services:
             redis=client,
             events=AsyncEventPublisher(client, settings.job_key_ttl_s),
             celery=celery,
-            model=load_model_info(
-                settings.model_path, settings.max_model_len, settings.served_model_name
+            models=load_served_models(
+                settings.model_path,
+                settings.served_model_name,
+                settings.models,
+                settings.max_model_len,
             ),
             principals=PrincipalCache(settings.auth_cache_ttl_s),
             submissions=SubmissionBatcher(jobs, dispatcher),
             dispatcher=dispatcher,
             quotas=QuotaLimiter(client, settings.job_key_ttl_s),
-            queue_state=QueueStateReader(client),
+            queue_state=QueueStateReader(client, settings.lanes),
             finals=FinalEvents(client),
             reads=JobReads(jobs),
             adapters=AdapterStore(db),
         )
+
+    @property
+    def model(self) -> ModelInfo:
+        """The first model (`INFERQ_MODEL`): what a job that names none runs on."""
+        return self.models.first
 
     async def close(self) -> None:
         """Stop taking submissions and release connections."""

@@ -1,4 +1,4 @@
-"""Turning a validated request into a stored, enqueued job — and cancelling one."""
+"""Turning a validated request into a stored, enqueued job (cancelling: `api.cancelling`)."""
 
 from __future__ import annotations
 
@@ -21,17 +21,14 @@ from api.experiments import with_variant
 from api.openai.chat_prompt import render_chat
 from api.schemas import JobCreate
 from api.services import Services
-from core import keys
 from core.apikeys import Principal
-from core.batches import BatchStore
 from core.errors import (
     ClientError,
     ContextLengthExceeded,
-    JobAlreadyFinal,
-    NotFound,
     TierLimitExceeded,
 )
-from core.metrics import JOBS_FINISHED, count_submitted
+from core.metrics import count_submitted
+from core.modelinfo import ModelInfo
 from core.models import Batch, Job
 from core.new_jobs import NewJob
 from core.prompts import (
@@ -42,10 +39,8 @@ from core.prompts import (
     whole_digests,
 )
 from core.queue.dispatch import queued
-from core.queue.held import drop_held
 from core.queue.routing import prefix_key
 from core.quotas import Admission
-from core.states import JobStatus
 from core.tracing import current_headers, tracer
 
 log = logging.getLogger(__name__)
@@ -75,9 +70,11 @@ def check_against_tier(services: Services, principal: Principal, body: JobCreate
     return body.max_tokens or min(services.settings.default_max_tokens, policy.max_tokens)
 
 
-def check_context(services: Services, prompt_tokens: int, max_tokens: int) -> None:
-    """Reject a job whose prompt and completion cannot fit the model's context."""
-    limit = services.model.max_model_len
+def check_context(
+    services: Services, model: str | None, prompt_tokens: int, max_tokens: int
+) -> None:
+    """Reject a job whose prompt and completion cannot fit its model's context."""
+    limit = services.models.of(model).max_model_len
     if prompt_tokens + max_tokens > limit:
         raise ContextLengthExceeded(
             f"This model's maximum context length is {limit} tokens; the prompt has "
@@ -197,8 +194,19 @@ def _new_jobs(
     prompts: CountedPrompts | None,
 ) -> list[NewJob]:
     if prompts is None:
-        rendered = [_indexed(index, prompt_of, services, body) for index, body in enumerate(bodies)]
-        prompts = count_prompts(services.model, rendered)
+        models = [
+            _indexed(index, model_of, services, principal, body)
+            for index, body in enumerate(bodies)
+        ]
+        rendered = [
+            _indexed(index, prompt_of, model, body)
+            for index, (model, body) in enumerate(zip(models, bodies, strict=True))
+        ]
+        if all(model is models[0] for model in models):
+            prompts = count_prompts(models[0], rendered)
+        else:  # each prompt counted by its own model's tokenizer, nothing shared
+            counts = [m.count_tokens(text) for m, text in zip(models, rendered, strict=True)]
+            prompts = CountedPrompts(None, rendered, counts)
     digests = whole_digests(prompts)
     return [
         _indexed(
@@ -275,11 +283,16 @@ class PromptParts:
     """The whole prompt's `text_digest` (computed only if asked for)."""
 
 
-def prompt_of(services: Services, body: JobCreate) -> str:
-    """The job's prompt: as given, or its messages rendered with the model's chat template."""
+def model_of(services: Services, principal: Principal, body: JobCreate) -> ModelInfo:
+    """The model the job will run on: the one it names, or its experiment's variant's."""
+    return services.models.of(with_variant(services.settings, principal, body)[0].model)
+
+
+def prompt_of(model: ModelInfo, body: JobCreate) -> str:
+    """The job's prompt: as given, or its messages rendered with its model's chat template."""
     if body.prompt is not None:
         return body.prompt
-    return render_chat(services.model, body.message_dicts())
+    return render_chat(model, body.message_dicts())
 
 
 def new_job(
@@ -290,9 +303,13 @@ def new_job(
     trace_headers: dict[str, str] | None = None,
 ) -> NewJob:
     """The job to store for a request, after checking it against its tier and the model."""
-    prompt = prompt_of(services, body)
+    model = model_of(services, principal, body)
+    prompt = prompt_of(model, body)
     parts = PromptParts(
-        prompt, services.model.count_tokens(prompt), None, partial(text_digest, prompt)
+        prompt,
+        model.count_tokens(prompt),
+        None,
+        partial(text_digest, prompt),
     )
     return _job_of(services, principal, body, parts, idempotency_key, trace_headers)
 
@@ -313,7 +330,7 @@ def _job_of(
         request_hash = hashlib.sha256(canonical.encode()).hexdigest()
     body, arm = with_variant(services.settings, principal, body)
     max_tokens = check_against_tier(services, principal, body)
-    check_context(services, prompt.tokens, max_tokens)
+    check_context(services, body.model, prompt.tokens, max_tokens)
     policy = services.settings.tier_policy(principal.tier)
     timeout_s = body.timeout_s or policy.timeout_s
     sampling = body.sampling_params(max_tokens)
@@ -336,44 +353,3 @@ def _job_of(
         variant=arm.variant if arm else None,
         end_user=arm.user if arm else body.user,
     )
-
-
-async def cancel_job(services: Services, owner: str, job_id: str) -> Job:
-    """Cancel a queued job at once, or ask its worker to abort a running one.
-
-    The cancel flag lives in Redis (and the state in the database), not in any worker's memory,
-    so a queued job that is cancelled never starts, whatever restarts in between.
-    """
-    job = await run_in_threadpool(services.jobs.get, job_id, owner)
-    if job is None:
-        raise NotFound(f"No job with id '{job_id}'.", param="job_id")
-    if JobStatus(job.status).is_final:
-        raise JobAlreadyFinal(
-            f"Job '{job_id}' has already ended with status '{job.status}'.", job_status=job.status
-        )
-    await services.redis.set(keys.job_cancel_flag(job_id), b"1", ex=services.settings.job_key_ttl_s)
-    if await run_in_threadpool(services.jobs.cancel_if_queued, job_id):
-        JOBS_FINISHED.labels(job.tier, JobStatus.CANCELLED.value).inc()
-        await services.events.publish(job_id, "cancelled", status=JobStatus.CANCELLED.value)
-    else:
-        await services.redis.publish(keys.CANCEL_CHANNEL, job_id)
-    refreshed = await run_in_threadpool(services.jobs.get, job_id, owner)
-    assert refreshed is not None
-    return refreshed
-
-
-async def cancel_batch_jobs(services: Services, batch_id: str) -> None:
-    """End a batch's queued jobs as cancelled now; ask the workers to abort its running ones."""
-    cancelled = await run_in_threadpool(BatchStore(services.db).cancel_jobs, batch_id)
-    ttl = services.settings.job_key_ttl_s
-    pipe = services.redis.pipeline(transaction=False)
-    for job_id in [job_id for job_id, _, _ in cancelled.ended] + cancelled.running:
-        pipe.set(keys.job_cancel_flag(job_id), b"1", ex=ttl)
-    for job_id in cancelled.running:
-        pipe.publish(keys.CANCEL_CHANNEL, job_id)
-    await pipe.execute()
-    for (tier, owner), job_ids in cancelled.ended_by_queue().items():
-        await drop_held(services.redis, tier, owner, job_ids)
-    for job_id, tier, _ in cancelled.ended:
-        JOBS_FINISHED.labels(tier, JobStatus.CANCELLED.value).inc()
-        await services.events.publish(job_id, "cancelled", status=JobStatus.CANCELLED.value)

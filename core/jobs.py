@@ -250,15 +250,15 @@ class JobStore:
             )
             return [(job_id, tier) for job_id, tier in rows]
 
-    def queued(self) -> list[tuple[str, str, datetime]]:
-        """(id, tier, created_at) of every queued job, oldest first."""
+    def queued(self) -> list[tuple[str, str, datetime, str | None]]:
+        """(id, tier, created_at, model) of every queued job, oldest first."""
         with self.db.session() as session:
             rows = session.execute(
-                select(Job.id, Job.tier, Job.created_at)
+                select(Job.id, Job.tier, Job.created_at, Job.model)
                 .where(Job.status == JobStatus.QUEUED.value)
                 .order_by(Job.created_at)
             )
-            return [(job_id, tier, created_at) for job_id, tier, created_at in rows]
+            return [(job_id, tier, created_at, model) for job_id, tier, created_at, model in rows]
 
     def running(self) -> list[Job]:
         """Every running job (the scheduler checks that each one's worker lives)."""

@@ -8,13 +8,19 @@ PREFIX = "inferq"
 
 
 # Celery's Redis transport stores a queue as a list under the queue's name.
-def queue_name(tier: Tier | str) -> str:
-    """The Celery queue of one tier, e.g. `inferq.premium`."""
-    return f"{PREFIX}.{Tier(tier).value}"
+def queue_name(tier: Tier | str, lane: str | None = None) -> str:
+    """The Celery queue of one tier, e.g. `inferq.premium`; with `lane`, that tier's queue for
+    the jobs of one more model (`core.settings.Settings.models`), `inferq.premium.model.{lane}`.
+
+    The scheduler's reclaim script builds the lane's name (`{queue}.model.{lane}`) in Lua.
+    """
+    name = f"{PREFIX}.{Tier(tier).value}"
+    return name if lane is None else f"{name}.model.{lane}"
 
 
 def tier_of_queue(name: str) -> Tier | None:
-    """The tier of a shared or a worker's own queue (`inferq.basic`, `inferq.basic.cpu@host`)."""
+    """The tier of a shared, a lane's or a worker's own queue (`inferq.basic`,
+    `inferq.basic.model.m`, `inferq.basic.cpu@host`)."""
     prefix = f"{PREFIX}."
     if not name.startswith(prefix):
         return None
@@ -27,7 +33,8 @@ def tier_of_queue(name: str) -> Tier | None:
 def worker_queue_name(tier: Tier | str, worker_name: str) -> str:
     """A worker's own queue of one tier, for jobs routed to it by prompt prefix.
 
-    The scheduler's reclaim script builds the same name (`{queue}.{worker}`) in Lua.
+    A worker serves one model, so its own queues need no lane. The scheduler's reclaim script
+    builds the same name (`{queue}.{worker}`) in Lua.
     """
     return f"{queue_name(tier)}.{worker_name}"
 
@@ -77,54 +84,61 @@ def key_active(key_id: int) -> str:
     return f"{PREFIX}:key:{key_id}:active"
 
 
-def held_list(tier: Tier | str, owner: str) -> str:
+def _tier_lane(tier: Tier | str, lane: str | None) -> str:
+    """A tier, or a tier of one lane (see `queue_name`), in the dispatcher's keys."""
+    return Tier(tier).value if lane is None else f"{Tier(tier).value}@{lane}"
+
+
+def held_list(tier: Tier | str, owner: str, lane: str | None = None) -> str:
     """One owner's jobs held back from a full tier queue (`core.queue.dispatch`)."""
-    return f"{PREFIX}:held:{Tier(tier).value}:list:{owner}"
+    return f"{PREFIX}:held:{_tier_lane(tier, lane)}:list:{owner}"
 
 
-def held_owners(tier: Tier | str) -> str:
+def held_owners(tier: Tier | str, lane: str | None = None) -> str:
     """Sorted set of owners with held jobs in a tier, least recently served first."""
-    return f"{PREFIX}:held:{Tier(tier).value}:owners"
+    return f"{PREFIX}:held:{_tier_lane(tier, lane)}:owners"
 
 
-def held_count(tier: Tier | str) -> str:
+def held_count(tier: Tier | str, lane: str | None = None) -> str:
     """How many jobs of a tier are held back."""
-    return f"{PREFIX}:held:{Tier(tier).value}:count"
+    return f"{PREFIX}:held:{_tier_lane(tier, lane)}:count"
 
 
-def held_round(tier: Tier | str) -> str:
+def held_round(tier: Tier | str, lane: str | None = None) -> str:
     """The round-robin counter of a tier's held owners."""
-    return f"{PREFIX}:held:{Tier(tier).value}:round"
+    return f"{PREFIX}:held:{_tier_lane(tier, lane)}:round"
 
 
-def sending_count(tier: Tier | str) -> str:
+def sending_count(tier: Tier | str, lane: str | None = None) -> str:
     """Messages the API decided to put on a tier's queue and may not have sent yet."""
-    return f"{PREFIX}:held:{Tier(tier).value}:sending"
+    return f"{PREFIX}:held:{_tier_lane(tier, lane)}:sending"
 
 
-def dispatching(tier: Tier | str) -> str:
+def dispatching(tier: Tier | str, lane: str | None = None) -> str:
     """Jobs taken from held lists whose message may not be sent yet."""
-    return f"{PREFIX}:dispatching:{Tier(tier).value}"
+    return f"{PREFIX}:dispatching:{_tier_lane(tier, lane)}"
 
 
-def finished_bucket(bucket: int) -> str:
-    """Jobs that ended in one 10-second bucket (Unix time // 10), counted by the workers."""
-    return f"{PREFIX}:finished:{bucket}"
+def finished_bucket(bucket: int, lane: str | None = None) -> str:
+    """Jobs of a lane that ended in one 10-second bucket (Unix time // 10), counted by the
+    workers."""
+    return f"{PREFIX}:finished:{bucket}" if lane is None else f"{PREFIX}:finished:@{lane}:{bucket}"
 
 
-def started_tier_bucket(tier: Tier | str, bucket: int) -> str:
-    """Jobs of one tier that started in one 10-second bucket, counted by the workers."""
-    return f"{PREFIX}:started:{Tier(tier).value}:{bucket}"
+def started_tier_bucket(tier: Tier | str, bucket: int, lane: str | None = None) -> str:
+    """Jobs of one tier of a lane that started in one 10-second bucket, counted by the workers."""
+    return f"{PREFIX}:started:{_tier_lane(tier, lane)}:{bucket}"
 
 
-def finished_tier_bucket(tier: Tier | str, bucket: int) -> str:
-    """Runs of one tier's jobs that ended in one 10-second bucket, counted by the workers."""
-    return f"{PREFIX}:finished:{Tier(tier).value}:{bucket}"
+def finished_tier_bucket(tier: Tier | str, bucket: int, lane: str | None = None) -> str:
+    """Runs of one tier's jobs of a lane that ended in one 10-second bucket, counted by the
+    workers."""
+    return f"{PREFIX}:finished:{_tier_lane(tier, lane)}:{bucket}"
 
 
-def run_ms_bucket(tier: Tier | str, bucket: int) -> str:
+def run_ms_bucket(tier: Tier | str, bucket: int, lane: str | None = None) -> str:
     """Milliseconds the runs counted by `finished_tier_bucket` took together."""
-    return f"{PREFIX}:run-ms:{Tier(tier).value}:{bucket}"
+    return f"{PREFIX}:run-ms:{_tier_lane(tier, lane)}:{bucket}"
 
 
 RATE_BUCKET_S = 10
@@ -177,6 +191,10 @@ def worker_name_claim(worker_name: str) -> str:
 
 WORKERS_SET = f"{PREFIX}:workers"
 """Names of workers that have started."""
+
+WORKER_LANES = f"{PREFIX}:worker-lanes"
+"""Hash of worker name to lane (see `queue_name`), for workers that serve a model of their own;
+kept, like `WORKERS_SET`, after the worker is gone, so its own queues go back to its lane."""
 
 DATA_MARK = f"{PREFIX}:data-mark"
 """Never expires: its absence tells the scheduler that Redis lost its data (see `reaper`)."""

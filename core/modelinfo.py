@@ -140,3 +140,30 @@ def load_model_info(
         special_tokens=special,
         created=int(config_file.stat().st_mtime),
     )
+
+
+@dataclass
+class ServedModels:
+    """Every base model a deployment serves: the first (`INFERQ_MODEL`) and `others`
+    (`INFERQ_MODELS`), by served name. A registered adapter runs on the first."""
+
+    first: ModelInfo
+    others: dict[str, ModelInfo]
+
+    def of(self, name: str | None) -> ModelInfo:
+        """The model a job that names `name` runs on (its adapter's base for an adapter)."""
+        return self.others.get(name, self.first) if name is not None else self.first
+
+    def names(self) -> list[str]:
+        """The served names, the first model's first."""
+        return [self.first.name, *sorted(self.others)]
+
+
+def load_served_models(
+    first: str, first_name: str | None, others: dict[str, str], max_model_len: int | None
+) -> ServedModels:
+    """`load_model_info` of every served model (`others`: served name to id or directory)."""
+    return ServedModels(
+        load_model_info(first, max_model_len, first_name),
+        {name: load_model_info(path, max_model_len, name) for name, path in others.items()},
+    )

@@ -42,6 +42,12 @@ class Settings(BaseSettings):
         "job records), as vLLM's --served-model-name; default: the name `inferq model init` "
         "gave it, else the directory's name or the hub id.",
     )
+    models: dict[str, str] = Field(
+        default_factory=dict,
+        description="More base models this deployment serves, as JSON: served name to Hugging "
+        "Face id or directory. Each has queues of its own, taken by workers started with "
+        "`inferq worker --model NAME`; the API counts its prompts with its tokenizer.",
+    )
 
     # Passed through to vLLM's engine arguments.
     dtype: str = Field(
@@ -309,6 +315,27 @@ class Settings(BaseSettings):
         from core.modelinfo import served_model_name
 
         return served_model_name(self.model_path, self.served_model_name)
+
+    def lane_of(self, model: str | None) -> str | None:
+        """The lane (`core.keys.queue_name`) of a job's model: its own for a model of
+        `models`, None (the first model's queues) for the first model and its adapters."""
+        return model if model is not None and model in self.models else None
+
+    @property
+    def lanes(self) -> list[str | None]:
+        """Every lane: None (the first model's), then each model of `models`."""
+        return [None, *sorted(self.models)]
+
+    def serving(self, name: str) -> Settings:
+        """These settings for a worker that serves `name`, one of `models` (or the first)."""
+        if name == self.model_name:
+            return self
+        if name not in self.models:
+            known = ", ".join([self.model_name, *sorted(self.models)])
+            raise ValueError(f"unknown model {name!r}; this deployment serves {known}")
+        # Registered adapters are the first model's: the other models' workers load none.
+        update = {"model": self.models[name], "served_model_name": name, "lora": False}
+        return self.model_copy(update=update)
 
     def tier_policy(self, tier: Tier | str) -> TierPolicy:
         """The policy of one tier."""

@@ -71,6 +71,11 @@ def api(host: str, port: int, workers: int) -> None:
     show_default=True,
     help="The tiers whose jobs it takes, e.g. basic for a pool that scales to zero.",
 )
+@click.option(
+    "--model",
+    default=None,
+    help="The model it serves, by served name: one of INFERQ_MODELS (default: INFERQ_MODEL's).",
+)
 def worker(
     gpus: str | None,
     device: str,
@@ -78,6 +83,7 @@ def worker(
     name: str | None,
     metrics_port: int | None,
     tiers: str,
+    model: str | None,
 ) -> None:
     """Run a worker: pin devices, load one vLLM engine, consume the tier queues."""
     from workers.devices import DeviceSpec, engine_build, parse_gpus
@@ -99,9 +105,14 @@ def worker(
         ) from exc
     if not taken:
         raise click.BadParameter("name at least one tier", param_hint="--tiers")
+    settings = _settings()
+    try:
+        settings = settings.serving(model) if model is not None else settings
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from exc
     sys.exit(
         run_worker(
-            _settings(),
+            settings,
             spec,
             concurrency=concurrency,
             name=name,

@@ -37,7 +37,7 @@ from core.health import Health
 from core.jobs import JobStore
 from core.metrics import JOBS_FINISHED, JOBS_REQUEUED
 from core.models import Job, as_utc, utcnow
-from core.queue.app import ENQUEUED_AT_HEADER, enqueue_job, enqueue_jobs
+from core.queue.app import ENQUEUED_AT_HEADER, enqueue_jobs
 from core.settings import Settings
 from core.states import JobStatus
 from core.workernames import lease_holder
@@ -110,10 +110,14 @@ class Scheduler:
             log.warning("Redis has lost its data: sending the %d queued jobs again", len(queued))
             enqueue_jobs(
                 self.celery,
-                [(job_id, tier) for job_id, tier, _ in queued],
+                [(job_id, tier) for job_id, tier, _, _ in queued],
                 [
                     {ENQUEUED_AT_HEADER: f"{as_utc(created_at).timestamp():.6f}"}
-                    for _, _, created_at in queued
+                    for _, _, created_at, _ in queued
+                ],
+                [
+                    keys.queue_name(tier, self.settings.lane_of(model))
+                    for _, tier, _, model in queued
                 ],
             )
         self.redis.set(keys.DATA_MARK, utcnow().isoformat())
@@ -175,8 +179,11 @@ class Scheduler:
                     reason="worker_lost",
                 )
                 submitted_at = as_utc(job.created_at).timestamp()
-                enqueue_job(
-                    self.celery, job.id, job.tier, {ENQUEUED_AT_HEADER: f"{submitted_at:.6f}"}
+                enqueue_jobs(
+                    self.celery,
+                    [(job.id, job.tier)],
+                    [{ENQUEUED_AT_HEADER: f"{submitted_at:.6f}"}],
+                    [keys.queue_name(job.tier, self.settings.lane_of(job.model))],
                 )
 
     def _lost_workers(self, claims: dict[str, bytes | None]) -> set[str]:

@@ -20,6 +20,7 @@ from tests.support import (
     WORKER_CONCURRENCY,
     ServiceMissing,
     Stack,
+    redis_server,
 )
 
 TINY_CONTEXT = 16384
@@ -82,6 +83,40 @@ def running_stack(
                 sys.stderr.write(f"\n--- {name}.log (tail) ---\n" + "\n".join(tail) + "\n")
 
 
+@contextmanager
+def stack_of_its_own(
+    tmp: Path,
+    model_dir: Path,
+    otlp_endpoint: str,
+    *,
+    env: dict[str, str] | None = None,
+    max_model_len: int | None = TINY_CONTEXT,
+) -> Iterator[Stack]:
+    """`running_stack` on a Redis server and a SQLite database of its own, under `tmp`: for a
+    module whose settings (`env`) differ from the session's stack."""
+    (tmp / "stack").mkdir()
+    with (
+        redis_server(tmp) as server,
+        running_stack(
+            tmp / "stack",
+            server.url,
+            f"sqlite:///{tmp / 'inferq.db'}",
+            model_dir,
+            otlp_endpoint,
+            max_model_len,
+            env,
+        ) as stack,
+    ):
+        yield stack
+
+
+STACK_TIERS: dict[str, dict[str, object]] = {
+    "premium": {"max_tokens": BLOCKER_TOKENS, "timeout_s": 300}
+}
+"""The test stacks' tier table (INFERQ_TIERS): long premium jobs keep the worker busy while a
+test builds a backlog behind them, and outlive the slowest moments of a shared 2-core machine."""
+
+
 def start_stack(
     tmp: Path,
     redis_url: str,
@@ -99,12 +134,10 @@ def start_stack(
         INFERQ_REDIS_URL=redis_url,
         INFERQ_DATABASE_URL=database_url,
         INFERQ_MODEL=str(model_dir),
-        # Long premium jobs keep the worker busy while a test builds a backlog behind them, and
-        # outlive the slowest moments of a shared 2-core machine.
-        INFERQ_TIERS=json.dumps({"premium": {"max_tokens": BLOCKER_TOKENS, "timeout_s": 300}}),
+        INFERQ_TIERS=json.dumps(STACK_TIERS),
         INFERQ_EXPERIMENTS=json.dumps({"greeting": EXPERIMENT}),
         INFERQ_LOG_LEVEL="INFO",
-        # Short leases, so a killed worker's jobs are requeued within seconds.
+        # Leases shorter than the default (see LEASE_TTL_S).
         INFERQ_LEASE_TTL_S=str(LEASE_TTL_S),
         INFERQ_SCHEDULER_INTERVAL_S="0.5",
         INFERQ_SCHEDULER_METRICS_PORT=str(free_port()),

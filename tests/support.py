@@ -39,7 +39,11 @@ POSTGRES_ADMIN_URL = os.environ.get(
 WORKER_CONCURRENCY = 32
 BLOCKER_TOKENS = 16000
 """Long enough to keep a worker busy while a test builds a backlog (tens of seconds here)."""
-LEASE_TTL_S = 6
+LEASE_TTL_S = 20
+"""The test stacks' job leases: shorter than the default 30 s, longer than the stalls of every
+process at once (6 s, measured by a high-priority process that sleeps 50 ms at a time) that the
+shared 2-vCPU test hosts have; a lease lapsed in one is not a lost job. A killed worker's jobs
+are handed on through its name's claim, seconds after the kill, whatever this is."""
 EXPERIMENT = {"variants": {"control": {"weight": 90}, "short": {"weight": 10, "max_tokens": 2}}}
 """The test stacks' A/B experiment, `greeting`: one user in ten gets two-token answers."""
 FLOWER_AUTH = "inferq-test:flower-secret"
@@ -389,11 +393,15 @@ def worker_paused(stack: Stack, name: str | None = None) -> Iterator[None]:
     from core.queue.app import make_celery_app
 
     worker = name or stack.worker_name
+    lane = stack.redis.hget(keys.WORKER_LANES, worker)  # a worker of another model: its queues
     app = make_celery_app(stack.local.settings)
     queues = [
         queue
         for tier in TIERS_BY_PRIORITY
-        for queue in (keys.worker_queue_name(tier, worker), keys.queue_name(tier))
+        for queue in (
+            keys.worker_queue_name(tier, worker),
+            keys.queue_name(tier, lane.decode() if lane else None),
+        )
     ]
     try:
         for queue in queues:

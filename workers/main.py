@@ -131,6 +131,7 @@ def run_worker(
         return 1
     atexit.register(name_claim.release)  # also when starting fails (a no-op once released)
     node_name = name_claim.name
+    lane = settings.lane_of(settings.model_name)  # its model's queues (`core.keys.queue_name`)
     set_context(worker=node_name)
     if unbind_extra_cpu_engine(spec, node_name):
         log.info("not the host's first CPU worker: its engine's threads are not bound to cores")
@@ -197,7 +198,12 @@ def run_worker(
         hub = getattr(worker, "hub", None)
         if hub is not None:
             hub.call_repeatedly(0.1, _tick)
-        # Shown as live only once it consumes, so "a worker is up" means "jobs will run".
+        # Shown as live only once it consumes, so "a worker is up" means "jobs will run";
+        # its lane first, so that routing never takes it for a worker of the first model.
+        if lane is None:
+            client.hdel(keys.WORKER_LANES, node_name)
+        else:
+            client.hset(keys.WORKER_LANES, node_name, lane)
         client.sadd(keys.WORKERS_SET, node_name)
         runner.renew_leases()
         heartbeat.start()
@@ -233,12 +239,12 @@ def run_worker(
         hostname=node_name,
         pool="threads",
         concurrency=concurrency or settings.worker_concurrency,
-        # Per tier, jobs routed here by prompt prefix first, then the shared queue.
+        # Per tier, jobs routed here by prompt prefix first, then its model's shared queue.
         queues=[
             queue
             for tier in TIERS_BY_PRIORITY
             if tier in tiers
-            for queue in (keys.worker_queue_name(tier, node_name), keys.queue_name(tier))
+            for queue in (keys.worker_queue_name(tier, node_name), keys.queue_name(tier, lane))
         ],
         loglevel=settings.log_level,
         without_mingle=True,

@@ -54,8 +54,9 @@ class _Finished:
     arm: tuple[str, str] | None  # its experiment and variant
 
 
-def _count_finished(pipe: Any, finished: list[_Finished]) -> None:
-    """Count the runs that ended, all together and per tier with their run time."""
+def _count_finished(pipe: Any, finished: list[_Finished], lane: str | None) -> None:
+    """Count the runs of the worker's `lane` that ended, all together and per tier with their
+    run time."""
     bucket = int(time.time()) // keys.RATE_BUCKET_S
     counts: dict[str, int] = defaultdict(int)
     run_ms: dict[str, int] = defaultdict(int)
@@ -64,10 +65,10 @@ def _count_finished(pipe: Any, finished: list[_Finished]) -> None:
         counts[item.tier] += 1
         if item.started_at is not None:
             run_ms[item.tier] += int((now - as_utc(item.started_at)).total_seconds() * 1000)
-    names = [(keys.finished_bucket(bucket), len(finished))]
+    names = [(keys.finished_bucket(bucket, lane), len(finished))]
     for tier, count in counts.items():
-        names.append((keys.finished_tier_bucket(tier, bucket), count))
-        names.append((keys.run_ms_bucket(tier, bucket), max(run_ms[tier], 0)))
+        names.append((keys.finished_tier_bucket(tier, bucket, lane), count))
+        names.append((keys.run_ms_bucket(tier, bucket, lane), max(run_ms[tier], 0)))
     for name, amount in names:
         pipe.incrby(name, amount)
         pipe.expire(name, keys.RATE_BUCKET_TTL_S)
@@ -84,6 +85,7 @@ class OutcomeRecorder:
         *,
         before_final: Callable[[list[str]], None] | None = None,
         cache_ttl_s: int = 0,
+        lane: str | None = None,
     ) -> None:
         self.store = store
         self.publisher = publisher
@@ -93,6 +95,8 @@ class OutcomeRecorder:
         self.before_final = before_final
         # A succeeded deterministic job's result answers its repeats this long (0: never).
         self.cache_ttl_s = cache_ttl_s
+        # The worker's model's lane (`core.keys.queue_name`): its runs count for that model.
+        self.lane = lane
         self._finished: queue.SimpleQueue[_Finished] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="inferq-recorder", daemon=True).start()
 
@@ -166,7 +170,7 @@ class OutcomeRecorder:
             self.publisher.publish_many(finals, client=pipe)
             self._cache_results(pipe, [i for i in batch if i.job_id in written])
             if written:  # the measured capacity and run times that admission control goes by
-                _count_finished(pipe, [item for item in batch if item.job_id in written])
+                _count_finished(pipe, [item for item in batch if item.job_id in written], self.lane)
             self.leases.release([(item.job_id, item.lease_token) for item in batch], pipe)
             pipe.execute()
         except redis.RedisError:

@@ -85,6 +85,7 @@ class JobRunner:
             self.leases,
             before_final=deltas.flush if deltas else None,
             cache_ttl_s=settings.result_cache_ttl_s,
+            lane=settings.lane_of(settings.model_name),
         )
         # Jobs handed to `submit` and not yet ended, for `drain`.
         self._outstanding = 0

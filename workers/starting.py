@@ -112,7 +112,11 @@ class JobStarter:
         self._cancel = cancel
         self._watch = watch
         self._prefixes = StoredPrefixes(store.db)
-        self._adapters = JobAdapters(AdapterStore(store.db), settings.model_name, settings.lora)
+        # Its model's lane (`core.keys.queue_name`), which its starts count under.
+        self._lane = settings.lane_of(settings.model_name)
+        self._adapters = JobAdapters(
+            AdapterStore(store.db), settings.model_name, settings.lora, set(settings.models)
+        )
         self._to_start: queue.SimpleQueue[tuple[str, Future[StartOutcome]]] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._start_loop, name="inferq-starter", daemon=True)
         self._thread.start()
@@ -314,8 +318,9 @@ class JobStarter:
             log.warning("could not announce %d job starts", len(jobs), exc_info=True)
 
     def _count_starts(self, jobs: list[Job]) -> None:
-        """Count the started jobs per tier: the rate each tier's queue drains at, which
-        admission control goes by. Best effort: a lost count only makes admission guess."""
+        """Count the started jobs per tier of the worker's lane: the rate each tier's queue
+        of its model drains at, which admission control goes by. Best effort: a lost count
+        only makes admission guess."""
         if not jobs:
             return
         bucket = int(time.time()) // keys.RATE_BUCKET_S
@@ -323,8 +328,9 @@ class JobStarter:
         try:
             pipe = self.redis.pipeline(transaction=False)
             for tier, count in per_tier.items():
-                pipe.incrby(keys.started_tier_bucket(tier, bucket), count)
-                pipe.expire(keys.started_tier_bucket(tier, bucket), keys.RATE_BUCKET_TTL_S)
+                name = keys.started_tier_bucket(tier, bucket, self._lane)
+                pipe.incrby(name, count)
+                pipe.expire(name, keys.RATE_BUCKET_TTL_S)
             pipe.execute()
         except redis.RedisError:
             log.warning("could not count %d job starts", len(jobs), exc_info=True)

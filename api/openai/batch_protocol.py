@@ -29,7 +29,7 @@ from api.openai.protocol import (
 )
 from api.schemas import NO_NUL, JobCreate
 from core.errors import ClientError, InvalidRequest
-from core.modelinfo import ModelInfo
+from core.modelinfo import ServedModels
 from core.models import Batch, Job, as_utc
 from core.states import JobStatus
 
@@ -175,20 +175,20 @@ def _parse_line(raw: bytes, number: int, position: int, endpoint: str) -> Reques
 
 
 def line_job(
-    request: RequestLine, endpoint: str, model: ModelInfo, adapters: Collection[str] = ()
+    request: RequestLine, endpoint: str, models: ServedModels, adapters: Collection[str] = ()
 ) -> JobCreate:
     """The job a request line asks for, validated as the live endpoint validates its body
-    (its model the served one or one of `adapters`).
+    (its model one of `models` or one of `adapters`).
 
     Raises the endpoint's `ClientError`, with `param` under `body.`.
     """
     try:
         if endpoint == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(request.body)
-            _check_batchable(chat.stream, chat.model, model, adapters)
-            return chat.to_job(render_chat(model, chat.message_dicts()))
+            _check_batchable(chat.stream, chat.model, models, adapters)
+            return chat.to_job(render_chat(models.of(chat.model), chat.message_dicts()))
         completion = CompletionRequest.model_validate(request.body)
-        _check_batchable(completion.stream, completion.model, model, adapters)
+        _check_batchable(completion.stream, completion.model, models, adapters)
         return completion.to_job()
     except ValidationError as exc:
         param, message = describe_validation_error(dict(exc.errors()[0]))
@@ -199,11 +199,11 @@ def line_job(
 
 
 def _check_batchable(
-    stream: bool | None, requested: str, model: ModelInfo, adapters: Collection[str]
+    stream: bool | None, requested: str, models: ServedModels, adapters: Collection[str]
 ) -> None:
     if stream:
         raise InvalidRequest("stream is not supported in a batch.", param="stream")
-    check_model(model.name, requested, adapters)
+    check_model(models.first.name, requested, [*models.others, *adapters])
 
 
 def invalid_line(request: RequestLine, error: ClientError) -> InvalidLine:

@@ -16,6 +16,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from api.cancelling import cancel_batch_jobs
 from api.openai.batch_protocol import (
     BatchCreate,
     InvalidLine,
@@ -29,7 +30,7 @@ from api.openai.batch_protocol import (
 )
 from api.schemas import JobCreate
 from api.services import Services
-from api.submission import cancel_batch_jobs, new_job, submit_jobs
+from api.submission import new_job, submit_jobs
 from core.apikeys import Principal
 from core.batches import BatchStore, new_batch_id
 from core.errors import ClientError, Conflict, InvalidRequest, NotFound
@@ -106,7 +107,7 @@ def _validate_requests(
     adapters = {a.name for a in services.adapters.all()} if services.settings.lora else set()
     for request in requests:
         try:
-            job_body = line_job(request, endpoint, services.model, adapters)
+            job_body = line_job(request, endpoint, services.models, adapters)
             new_job(services, principal, job_body, None)
         except ClientError as exc:
             rejected.append(invalid_line(request, exc))

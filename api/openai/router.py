@@ -38,11 +38,15 @@ _STREAM_DOC: dict[int | str, dict[str, Any]] = {
 
 
 async def _cards(services: Services) -> list[dict[str, Any]]:
-    model = services.model
     workers = await serving_workers(services)
-    base = sorted(name for name, serving in workers.items() if serving.model == model.name)
-    with_adapters = [name for name in base if workers[name].adapters]
-    served = model_card(model.name, model.created, model.max_model_len, workers=base)
+    cards = []
+    for name in services.models.names():
+        info = services.models.of(name)
+        serving = sorted(worker for worker, what in workers.items() if what.model == name)
+        cards.append(model_card(name, info.created, info.max_model_len, workers=serving))
+    model = services.model
+    first = cards[0]["workers"]
+    with_adapters = [name for name in first if workers[name].adapters]
     adapters = [
         model_card(
             adapter.name,
@@ -53,13 +57,13 @@ async def _cards(services: Services) -> list[dict[str, Any]]:
         )
         for adapter in await served_adapters(services)
     ]
-    return [served, *adapters]
+    return [*cards, *adapters]
 
 
 @router.get("/models")
 async def list_models(_principal: PrincipalDep, services: ServicesDep) -> dict[str, Any]:
-    """The served model and its registered LoRA adapters, in OpenAI's list format, each with
-    the live workers that serve it (`workers`)."""
+    """The served models and the first one's registered LoRA adapters, in OpenAI's list
+    format, each with the live workers that serve it (`workers`)."""
     return {"object": "list", "data": await _cards(services)}
 
 
@@ -67,7 +71,7 @@ async def list_models(_principal: PrincipalDep, services: ServicesDep) -> dict[s
 async def retrieve_model(
     model_id: str, _principal: PrincipalDep, services: ServicesDep
 ) -> dict[str, Any]:
-    """The served model or one of its adapters; 404 `model_not_found` for any other id."""
+    """A served model or an adapter; 404 `model_not_found` for any other id."""
     cards = {card["id"]: card for card in await _cards(services)}
     check_model(services.model.name, model_id, cards)
     return cards[model_id]
@@ -90,7 +94,7 @@ async def create_chat_completion(
 ) -> Response:
     """The assistant's reply to `messages` (rendered with the model's chat template)."""
     await check_models(services, [body.model])  # before the prompt is rendered
-    prompt = render_chat(services.model, body.message_dicts())
+    prompt = render_chat(services.models.of(body.model), body.message_dicts())
     job_body = body.to_job(prompt)
     return await _serve(
         services, principal, request, job_body, "chat.completion", body.stream, body.include_usage

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Header, Query
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from api.cancelling import cancel_job
 from api.deps import PrincipalDep, ServicesDep
 from api.negotiation import MsgpackRoute, NegotiatedResponse
 from api.openapi import COMMON_ERRORS, error_responses
@@ -22,7 +23,7 @@ from api.schemas import (
     encode_cursor,
 )
 from api.streaming import event_stream
-from api.submission import cancel_job, submit_job, submit_jobs
+from api.submission import submit_job, submit_jobs
 from core.errors import NotFound
 from core.metrics import EXPERIMENT_FEEDBACK
 from core.states import JobStatus

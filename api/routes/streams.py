@@ -15,13 +15,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from api.cancelling import cancel_job
 from api.deps import PrincipalDep, ServicesDep, get_principal
 from api.errors import describe_validation_error, error_body, error_response
 from api.openapi import COMMON_ERRORS, error_responses
 from api.schemas import JobCreate, JobOut
 from api.services import Services
 from api.streaming import cancel_quietly, event_stream, follow_events, parse_last_event_id
-from api.submission import cancel_job, submit_job
+from api.submission import submit_job
 from core.apikeys import Principal
 from core.errors import ClientError, InvalidRequest, NotFound
 from core.models import Job

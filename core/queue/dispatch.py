@@ -9,10 +9,11 @@ cannot do by itself are done here:
   scheduler's dispatcher refills the queue from them round-robin, least recently served owner
   first. One owner's flood then sits in its own list, and another owner's job is at most one
   round behind it, not behind the whole flood.
-- **Aging.** Every message carries its job's submission time (`inferq_enqueued_at`). A message
-  in a lower tier's queue older than that tier's `promote_after_s` is moved, atomically, to the
-  front of the premium queue, so a basic job's wait stays bounded under sustained premium load.
-  A worker's own queues (see `core.queue.routing`) age the same way, into its own premium queue.
+- **Aging.** A lower tier's message that waited past the tier's `promote_after_s` moves to the
+  front of the premium queue (`core.queue.aging`).
+- **Lanes.** A deployment that serves more models (`Settings.models`) has a set of tier queues
+  per model, a lane: `inferq.{tier}.model.{name}`, taken only by workers of that model. All of
+  the above holds within each lane; the first model's lane keeps the plain names.
 - **Prefix routing.** A job with a long prompt is sent to the worker its prefix hashes to (see
   `core.queue.routing`); the dispatcher also hands lost workers' own queues back to the shared
   ones.
@@ -39,6 +40,7 @@ from kombu.exceptions import KombuError
 
 from core import keys
 from core.models import Job, as_utc
+from core.queue.aging import Aging
 from core.queue.app import ENQUEUED_AT_HEADER, enqueue_jobs
 from core.queue.routing import WorkerDirectory, pick_worker, prefix_key
 from core.settings import Settings
@@ -118,27 +120,6 @@ return taken
 """
 )
 
-# KEYS: a lower tier's queue, the premium queue. ARGV: cutoff (Unix s), how many to scan.
-# Moves messages submitted before the cutoff to the premium queue's consuming end.
-_PROMOTE = """
-local items = redis.call('LRANGE', KEYS[1], -tonumber(ARGV[2]), -1)
-local moved = 0
-for i = 1, #items do
-  local ok, message = pcall(cjson.decode, items[i])
-  if ok and type(message) == 'table' and type(message.headers) == 'table' then
-    local at = tonumber(message.headers.inferq_enqueued_at)
-    if at and at <= tonumber(ARGV[1]) and redis.call('LREM', KEYS[1], -1, items[i]) == 1 then
-      redis.call('RPUSH', KEYS[2], items[i])
-      moved = moved + 1
-    end
-  end
-end
-return moved
-"""
-
-PROMOTE_SCAN = 256
-"""How many of a queue's oldest messages one aging pass looks at."""
-
 
 @dataclass(frozen=True)
 class QueuedJob:
@@ -151,6 +132,8 @@ class QueuedJob:
     headers: dict[str, str] = field(default_factory=dict, compare=False)
     route: str | None = None
     """The prompt's prefix key, for jobs routed to a worker (see `core.queue.routing`)."""
+    model: str | None = None
+    """The job's model: one of `Settings.models` has queues of its own (its lane)."""
 
     def entry(self) -> str:
         """How the job is kept in a held list."""
@@ -178,15 +161,17 @@ def queued(
             as_utc(job.created_at).timestamp(),
             headers[index] if headers else {},
             routes[index] if routes is not None else prefix_key(job.prompt, route_chars),
+            job.model,
         )
         for index, job in enumerate(jobs)
     ]
 
 
-def _parse(entry: bytes | str, tier: Tier) -> QueuedJob:
+def _parse(entry: bytes | str, tier: Tier, lane: str | None) -> QueuedJob:
     text = entry.decode() if isinstance(entry, bytes) else entry
     job_id, enqueued_at, *route = text.split(" ")
-    return QueuedJob(job_id, tier.value, "", float(enqueued_at), route=route[0] if route else None)
+    route_key = route[0] if route else None
+    return QueuedJob(job_id, tier.value, "", float(enqueued_at), route=route_key, model=lane)
 
 
 class Dispatcher:
@@ -198,37 +183,46 @@ class Dispatcher:
         self.celery = celery
         self._hold = client.register_script(_HOLD_OR_SEND)
         self._take = client.register_script(_TAKE_HELD)
-        self._promote = client.register_script(_PROMOTE)
         self.workers = WorkerDirectory(client)
+        self.lanes = settings.lanes
+        self.aging = Aging(settings, client, self.workers)
         self._deferred: list[QueuedJob] = []
         self._deferred_lock = threading.Lock()
 
-    def _keys(self, tier: Tier) -> list[str]:
+    def _keys(self, tier: Tier, lane: str | None) -> list[str]:
         return [
-            keys.queue_name(tier),
-            keys.held_count(tier),
-            keys.held_owners(tier),
-            keys.held_round(tier),
-            keys.dispatching(tier),
-            keys.sending_count(tier),
+            keys.queue_name(tier, lane),
+            keys.held_count(tier, lane),
+            keys.held_owners(tier, lane),
+            keys.held_round(tier, lane),
+            keys.dispatching(tier, lane),
+            keys.sending_count(tier, lane),
             keys.DISPATCH_WAKE,
         ]
 
+    def _queues(self) -> list[tuple[Tier, str | None]]:
+        """Every (tier, lane) with a queue, in tier order."""
+        return [(tier, lane) for tier in TIERS_BY_PRIORITY for lane in self.lanes]
+
     def submit(self, jobs: list[QueuedJob]) -> None:
         """Enqueue committed jobs now, or hold them in their owners' lists if the queue is full."""
-        for tier in TIERS_BY_PRIORITY:
-            of_tier = [job for job in jobs if job.tier == tier.value]
-            if not of_tier:
+        by_queue: dict[tuple[str, str | None], list[QueuedJob]] = {}
+        for job in jobs:
+            by_queue.setdefault((job.tier, self.settings.lane_of(job.model)), []).append(job)
+        for tier, lane in self._queues():
+            of_queue = by_queue.get((tier.value, lane))
+            if not of_queue:
                 continue
-            args: list[str | int] = [self.settings.dispatch_backlog, keys.held_list(tier, "")]
-            for job in of_tier:
+            held_prefix = keys.held_list(tier, "", lane)
+            args: list[str | int] = [self.settings.dispatch_backlog, held_prefix]
+            for job in of_queue:
                 args += [job.owner, job.entry()]
-            send = {raw.decode() for raw in self._hold(keys=self._keys(tier), args=args)}
+            send = {raw.decode() for raw in self._hold(keys=self._keys(tier, lane), args=args)}
             if send:
                 try:
-                    self._send([job for job in of_tier if job.entry() in send])
+                    self._send([job for job in of_queue if job.entry() in send])
                 finally:
-                    self.redis.decrby(keys.sending_count(tier), len(send))
+                    self.redis.decrby(keys.sending_count(tier, lane), len(send))
 
     def submit_or_defer(self, jobs: list[QueuedJob]) -> None:
         """`submit`, keeping the jobs for `send_deferred` if Redis cannot take them now.
@@ -261,12 +255,13 @@ class Dispatcher:
     def release(self) -> int:
         """Refill every tier's queue from the held lists; returns how many jobs were sent."""
         sent = 0
-        for tier in TIERS_BY_PRIORITY:
-            parked = keys.dispatching(tier)
-            args: list[str | int] = [self.settings.dispatch_backlog, keys.held_list(tier, "")]
-            taken = self._take(keys=self._keys(tier), args=args)
+        for tier, lane in self._queues():
+            parked = keys.dispatching(tier, lane)
+            held_prefix = keys.held_list(tier, "", lane)
+            args: list[str | int] = [self.settings.dispatch_backlog, held_prefix]
+            taken = self._take(keys=self._keys(tier, lane), args=args)
             if taken:
-                self._send([_parse(entry, tier) for entry in taken])
+                self._send([_parse(entry, tier, lane) for entry in taken])
                 pipe = self.redis.pipeline(transaction=False)
                 for entry in taken:
                     pipe.lrem(parked, 1, entry)
@@ -277,32 +272,42 @@ class Dispatcher:
     def recover(self) -> int:
         """Send the jobs a dispatcher parked but may not have sent (run at start)."""
         resent = 0
-        for tier in TIERS_BY_PRIORITY:
-            parked = keys.dispatching(tier)
+        for tier, lane in self._queues():
+            parked = keys.dispatching(tier, lane)
             entries = self.redis.lrange(parked, 0, -1)
             if entries:
-                self._send([_parse(entry, tier) for entry in entries])
+                self._send([_parse(entry, tier, lane) for entry in entries])
                 self.redis.delete(parked)
                 resent += len(entries)
         return resent
 
     def _send(self, jobs: list[QueuedJob]) -> None:
-        """Put the jobs' messages on their queues: a routed job's worker's own, or its tier's."""
+        """Put the jobs' messages on their queues: a routed job's worker's own, or its tier's
+        (of its model's lane)."""
         enqueue_jobs(
             self.celery,
             [(job.id, job.tier) for job in jobs],
             [{**job.headers, ENQUEUED_AT_HEADER: f"{job.enqueued_at:.6f}"} for job in jobs],
-            self._routes(jobs),
+            [
+                route or keys.queue_name(job.tier, self.settings.lane_of(job.model))
+                for job, route in zip(jobs, self._routes(jobs), strict=True)
+            ],
         )
 
     def _routes(self, jobs: list[QueuedJob]) -> list[str | None]:
-        """Each job's worker queue, or None: not routed, no live worker, or that one is busy."""
+        """Each job's worker queue, or None: not routed, no live worker of its model, or that
+        one is busy."""
         if not any(job.route for job in jobs):
             return [None] * len(jobs)
-        live = {tier: self.workers.live(tier) for tier in TIERS_BY_PRIORITY}
         chosen = [
             keys.worker_queue_name(job.tier, worker)
-            if job.route and (worker := pick_worker(job.route, live[Tier(job.tier)]))
+            if job.route
+            and (
+                worker := pick_worker(
+                    job.route,
+                    self.workers.serving(self.settings.lane_of(job.model), Tier(job.tier)),
+                )
+            )
             else None
             for job in jobs
         ]
@@ -321,37 +326,17 @@ class Dispatcher:
         return routes
 
     def promote(self, now: float | None = None) -> int:
-        """Move lower tiers' messages that waited past `promote_after_s` to the premium queue.
-
-        Shared queues age into the shared premium queue, a worker's own queues into its own
-        (or into the shared one, where the worker takes no premium jobs).
-        """
-        now = time.time() if now is None else now
-        top = TIERS_BY_PRIORITY[0]
-        owners: list[str | None] = [None, *self.workers.live()]
-        takes_top = set(self.workers.live(top))
-        moved = 0
-        for tier in TIERS_BY_PRIORITY[1:]:
-            after_s = self.settings.tier_policy(tier).promote_after_s
-            if after_s is None:
-                continue
-            for worker in owners:
-                queues = [
-                    keys.worker_queue_name(tier, worker) if worker else keys.queue_name(tier),
-                    keys.worker_queue_name(top, worker)
-                    if worker in takes_top
-                    else keys.queue_name(top),
-                ]
-                moved += int(self._promote(keys=queues, args=[now - after_s, PROMOTE_SCAN]))
-        return moved
+        """Age waiting messages into the premium queues (see `core.queue.aging`)."""
+        return self.aging.promote(now)
 
     def held(self) -> dict[str, int]:
-        """Jobs held back per tier."""
-        values = self.redis.mget([keys.held_count(tier) for tier in TIERS_BY_PRIORITY])
-        return {
-            tier.value: int(value or 0)
-            for tier, value in zip(TIERS_BY_PRIORITY, values, strict=True)
-        }
+        """Jobs held back per tier, over every lane."""
+        queues = self._queues()
+        values = self.redis.mget([keys.held_count(tier, lane) for tier, lane in queues])
+        held = {tier.value: 0 for tier in TIERS_BY_PRIORITY}
+        for (tier, _), value in zip(queues, values, strict=True):
+            held[tier.value] += int(value or 0)
+        return held
 
     def run(self, stopped: threading.Event, interval_s: float = 0.02, idle_s: float = 0.5) -> None:
         """Release held jobs and age queued ones until `stopped` is set.

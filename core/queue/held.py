@@ -9,6 +9,8 @@ cancelling takes the jobs out of their owner's list at once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import redis.asyncio as aioredis
 
 from core import keys
@@ -35,11 +37,22 @@ return dropped
 """
 
 
-async def drop_held(client: aioredis.Redis, tier: str, owner: str, job_ids: list[str]) -> int:
-    """Take cancelled jobs out of their owner's held list, so they stop counting as waiting
-    (admission control counts held jobs); returns how many were held. A job already sent is
-    skipped by the worker that takes its message."""
-    if not job_ids:
-        return 0
-    lists = (keys.held_list(tier, owner), keys.held_count(tier), keys.held_owners(tier))
-    return int(await client.eval(_DROP_HELD, 3, *lists, owner, *job_ids))
+async def drop_held(
+    client: aioredis.Redis,
+    tier: str,
+    owner: str,
+    job_ids: list[str],
+    lanes: Sequence[str | None] = (None,),
+) -> int:
+    """Take cancelled jobs out of their owner's held lists in every lane, so they stop counting
+    as waiting (admission control counts held jobs); returns how many were held. A job already
+    sent is skipped by the worker that takes its message."""
+    dropped = 0
+    for lane in lanes if job_ids else ():
+        lists = (
+            keys.held_list(tier, owner, lane),
+            keys.held_count(tier, lane),
+            keys.held_owners(tier, lane),
+        )
+        dropped += int(await client.eval(_DROP_HELD, 3, *lists, owner, *job_ids))
+    return dropped

@@ -59,3 +59,15 @@ def stack(
     tmp = tmp_path_factory.mktemp("stack")
     with running_stack(tmp, redis_url, database_url, model_dir, otlp.url) as stack:
         yield stack
+
+
+@pytest.fixture(autouse=True)
+def _admission_as_on_a_fresh_stack(request: pytest.FixtureRequest) -> None:
+    """Each test on the shared stack is judged by admission control as on a fresh system.
+
+    The start and end rates admission control measures are the demand of earlier tests, not what
+    the worker can take: a test's batch would otherwise be refused for what ran before it.
+    """
+    if "stack" in request.fixturenames:
+        stack: Stack = request.getfixturevalue("stack")
+        stack.forget_measured_load()

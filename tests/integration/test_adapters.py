@@ -18,8 +18,8 @@ from core.adapters import AdapterStore
 from core.models import Job
 from core.tiers import Tier
 from tests.otlp import OtlpReceiver
-from tests.stacks import running_stack
-from tests.support import Stack, redis_server, wait_final
+from tests.stacks import stack_of_its_own
+from tests.support import Stack, wait_final
 from workers.tiny_model import init_tiny_adapter
 
 PROMPT = "The adapter test: once upon a time"
@@ -32,18 +32,7 @@ def lora_stack(
 ) -> Iterator[Stack]:
     """A stack whose worker serves adapters, on a Redis and a SQLite database of its own."""
     tmp = tmp_path_factory.mktemp("lora")
-    (tmp / "stack").mkdir()
-    with (
-        redis_server(tmp) as server,
-        running_stack(
-            tmp / "stack",
-            server.url,
-            f"sqlite:///{tmp / 'inferq.db'}",
-            model_dir,
-            otlp.url,
-            env={"INFERQ_LORA": "true"},
-        ) as stack,
-    ):
+    with stack_of_its_own(tmp, model_dir, otlp.url, env={"INFERQ_LORA": "true"}) as stack:
         yield stack
 
 

@@ -194,3 +194,46 @@ def test_a_large_batch_after_a_small_one_counts_the_free_worker_slots(tmp_path: 
                 await client.aclose()
 
         assert "once the 150 free worker slots are taken" in asyncio.run(scenario())
+
+
+def test_each_model_is_judged_by_its_own_queue_and_workers(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as server:
+        sync = redis.Redis.from_url(server.url)
+        current = int(time.time()) // BUCKET_S
+        # The second model's basic jobs start at 1/s and 40 wait for it, 30 of them in its
+        # worker's own queue (routed by prefix); its worker has no free slot, the first model's
+        # worker has 50.
+        for ago in range(1, RATE_BUCKETS + 1):
+            sync.set(keys.started_tier_bucket(Tier.BASIC, current - ago, "m2"), BUCKET_S)
+        sync.rpush(keys.queue_name(Tier.BASIC, "m2"), *(["m"] * 10))
+        sync.rpush(keys.worker_queue_name(Tier.BASIC, "w2"), *(["m"] * 30))
+        sync.sadd(keys.WORKERS_SET, "w1", "w2")
+        sync.hset(keys.WORKER_LANES, "w2", "m2")
+        sync.hset(keys.worker_stats("w1"), mapping={keys.worker_room_field(Tier.BASIC): 50})
+        sync.hset(keys.worker_stats("w2"), mapping={keys.worker_room_field(Tier.BASIC): 0})
+
+        async def scenario() -> str:
+            client = aioredis.Redis.from_url(server.url)
+            reader = QueueStateReader(client, [None, "m2"])
+            try:
+                states = await reader.read()
+                assert states["m2"].waiting[Tier.BASIC] == 40
+                assert states[None].waiting[Tier.BASIC] == 0
+                assert (states[None].room[Tier.BASIC], states["m2"].room[Tier.BASIC]) == (50, 0)
+                # 40 ahead at 1/s: past the 30 s queue limit. The first model's worker's free
+                # slots take none of them.
+                with pytest.raises(QueueFull) as refused:
+                    await admit_to_queue(reader, [replace(_job(), model="m2")])
+                # The first model's jobs do not wait for the second's: a batch of 20 is admitted,
+                # and so is a batch that mixes them only once the second model's part fits.
+                await admit_to_queue(reader, [_job()] * 20)
+                with pytest.raises(QueueFull):
+                    await admit_to_queue(reader, [_job(), replace(_job(), model="m2")])
+                sync.ltrim(keys.worker_queue_name(Tier.BASIC, "w2"), 0, 9)
+                await admit_to_queue(reader, [_job(), replace(_job(), model="m2")])
+                return refused.value.message
+            finally:
+                await client.aclose()
+
+        message = asyncio.run(scenario())
+        assert message.startswith("The basic queue of the model m2 is full: 40 jobs"), message

@@ -38,7 +38,6 @@ def _finals(stack: Stack, key: str, jobs: list[dict[str, Any]]) -> list[dict[str
 def test_premium_jobs_behind_100_basic_jobs_each_start_before_another_basic_one(
     stack: Stack,
 ) -> None:
-    stack.forget_measured_load()  # its backlog is deliberate: admission is not what it tests
     basic_key = stack.create_key(Tier.BASIC)
     premium_key = stack.create_key(Tier.PREMIUM)
     with full_worker(stack):
@@ -59,7 +58,6 @@ def test_premium_jobs_behind_100_basic_jobs_each_start_before_another_basic_one(
 def test_a_premium_job_starts_at_once_while_basic_jobs_hold_their_share_of_the_worker(
     stack: Stack,
 ) -> None:
-    stack.forget_measured_load()  # its backlog is deliberate: admission is not what it tests
     basic_key = stack.create_key(Tier.BASIC)
     premium_key = stack.create_key(Tier.PREMIUM)
     share = math.floor(DEFAULT_TIER_POLICIES[Tier.BASIC].engine_share * WORKER_CONCURRENCY)
@@ -102,7 +100,6 @@ def test_a_premium_job_starts_at_once_while_basic_jobs_hold_their_share_of_the_w
 def test_a_premium_job_too_slow_for_its_deadline_holds_basic_jobs_back_while_it_runs(
     stack: Stack,
 ) -> None:
-    stack.forget_measured_load()  # its backlog is deliberate: admission is not what it tests
     basic_key = stack.create_key(Tier.BASIC)
     premium_key = stack.create_key(Tier.PREMIUM)
     tokens = DEFAULT_TIER_POLICIES[Tier.PREMIUM].max_tokens
@@ -165,7 +162,6 @@ def _running_jobs(client: httpx.Client) -> list[dict[str, Any]]:
 
 
 def test_a_flooding_owner_does_not_starve_another_owner_of_the_same_tier(stack: Stack) -> None:
-    stack.forget_measured_load()  # its backlog is deliberate: admission is not what it tests
     flooder = stack.create_key(Tier.BASIC)
     other = stack.create_key(Tier.BASIC)
     with full_worker(stack):

@@ -66,3 +66,14 @@ def test_a_worker_runs_the_base_model_names_and_refuses_what_it_cannot_serve(
         "adapted": "model_not_served",
         "removed": "model_not_served",
     }
+
+
+def test_a_job_of_another_base_model_is_refused_with_where_it_runs(
+    store: AdapterStore, tmp_path: Path
+) -> None:
+    adapter = store.add("kept", init_tiny_adapter(tmp_path / "kept"))
+    jobs = [Job(id="adapted", model="kept"), Job(id="other", model="smol")]
+    adapters, refused = JobAdapters(store, "tiny", True, others={"smol"}).resolve(jobs)
+    assert adapters == {"adapted": adapter}
+    assert refused["other"].error_code == "model_not_served"
+    assert "'smol' runs on other workers" in refused["other"].message

@@ -23,7 +23,7 @@ from api.openai.batch_protocol import (
     result_records,
 )
 from core.errors import ClientError, InvalidRequest, ModelNotFound
-from core.modelinfo import ModelInfo
+from core.modelinfo import ModelInfo, ServedModels
 from core.models import Batch, Job
 from core.states import JobStatus
 from workers.tiny_model import build_tokenizer_json
@@ -109,13 +109,13 @@ def test_a_file_without_lines_is_rejected() -> None:
 
 def test_a_completion_line_becomes_the_job_the_live_endpoint_would_make() -> None:
     request = RequestLine(1, 0, "a", {"model": "m", "prompt": ["Hi"], "max_tokens": 4, "seed": 1})
-    job = line_job(request, COMPLETIONS, _model())
+    job = line_job(request, COMPLETIONS, ServedModels(_model(), {}))
     assert (job.prompt, job.max_tokens, job.seed) == ("Hi", 4, 1)
 
 
 def test_a_chat_line_is_rendered_with_the_models_template() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    job = line_job(RequestLine(1, 0, "a", body), CHAT, _model())
+    job = line_job(RequestLine(1, 0, "a", body), CHAT, ServedModels(_model(), {}))
     assert job.prompt == "User: Hi\nAssistant:" and job.max_tokens == 2
 
 
@@ -135,7 +135,7 @@ def test_a_body_the_endpoint_would_refuse_is_refused_with_its_param(
 ) -> None:
     request = RequestLine(3, 2, "c", body)
     with pytest.raises(error) as caught:
-        line_job(request, COMPLETIONS, _model())
+        line_job(request, COMPLETIONS, ServedModels(_model(), {}))
     assert caught.value.param == param
     invalid = invalid_line(request, caught.value)
     assert (invalid.line, invalid.custom_id, invalid.param) == (3, "c", param)

@@ -30,6 +30,7 @@ def test_keys_spread_over_workers_and_only_a_lost_workers_keys_move() -> None:
 def test_held_entries_keep_the_route() -> None:
     routed = QueuedJob("job_1", "basic", "alice", 1700000000.25, route="00ff")
     plain = QueuedJob("job_2", "basic", "alice", 1700000000.5)
-    assert _parse(routed.entry(), Tier.BASIC).route == "00ff"
-    assert _parse(plain.entry().encode(), Tier.BASIC).route is None
-    assert _parse(plain.entry(), Tier.BASIC).enqueued_at == 1700000000.5
+    assert _parse(routed.entry(), Tier.BASIC, None).route == "00ff"
+    assert _parse(plain.entry().encode(), Tier.BASIC, None).route is None
+    assert _parse(plain.entry(), Tier.BASIC, None).enqueued_at == 1700000000.5
+    assert _parse(plain.entry(), Tier.BASIC, "small").model == "small"  # a lane's held list

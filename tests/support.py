@@ -230,15 +230,17 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 def wait_final(client: httpx.Client, job_id: str, timeout_s: float = 120) -> dict[str, Any]:
-    """Long-poll a job until it is final."""
+    """Long-poll a job until it is final; a job that is not says where it stands."""
     deadline = time.monotonic() + timeout_s
+    job: dict[str, Any] = {}
     while time.monotonic() < deadline:
         response = client.get(f"/v1/jobs/{job_id}", params={"wait": 10})
         assert response.status_code == 200, response.text
-        job: dict[str, Any] = response.json()
+        job = response.json()
         if job["status"] in FINAL_STATES:
             return job
-    raise AssertionError(f"job {job_id} not final after {timeout_s}s")
+    where = {name: job.get(name) for name in ("status", "tier", "model", "attempt", "timings")}
+    raise AssertionError(f"job {job_id} not final after {timeout_s}s: {where}")
 
 
 def read_sse(

@@ -14,9 +14,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,6 +57,15 @@ class DemoStack:
             text=True,
             timeout=timeout_s,
         )
+
+
+def template_token_count(model_dir: Path, messages: list[dict[str, str]]) -> int:
+    """The prompt's length in tokens once the model's own chat template renders `messages`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
 
 @pytest.fixture(scope="session")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import httpx
 from openai import OpenAI
 
-from tests.realmodel.conftest import DemoStack
+from tests.realmodel.conftest import DemoStack, template_token_count
 from tests.support import wait_final
 
 JAPAN = "What is the capital of Japan?"
@@ -55,20 +54,12 @@ def test_a_chat_completion_through_the_openai_sdk_answers_tokyo(demo_stack: Demo
     assert "Tokyo" in (reply.choices[0].message.content or "")
 
 
-def _template_token_count(stack: DemoStack, messages: list[dict[str, str]]) -> int:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(stack.model_dir)
-    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
-
-
 def test_the_chat_template_is_applied_to_messages(demo_stack: DemoStack) -> None:
     messages = [
         {"role": "system", "content": "Answer in one short sentence."},
         {"role": "user", "content": JAPAN},
     ]
-    expected = _template_token_count(demo_stack, messages)
+    expected = template_token_count(demo_stack.model_dir, messages)
     client = OpenAI(base_url=f"{demo_stack.api_url}/v1", api_key=demo_stack.key)
     reply = client.chat.completions.create(
         model="smollm2-135m-instruct",

@@ -95,6 +95,10 @@ class VllmEngine:
     ) -> None:
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.cpu_kvcache_space_gb))
+            # The CPU build cannot load its own ahead-of-time compile cache ("'function' object
+            # has no attribute 'finalize_loading'") and compiles again at every start; the older
+            # cache loads: the tiny model's engine is ready in 19 s instead of 24.5 s.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         self._engine_core_nice = settings.cpu_engine_nice if device == "cpu" else 0
         self._args = engine_args(
             settings, device=device, num_gpus=num_gpus, log_stats=stats_label is not None

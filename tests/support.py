@@ -361,6 +361,9 @@ class ExtraWorker:
         finally:
             if self.process is not None and self.process.poll() is None:
                 self.kill()
+            # A test that killed it keeping its name (`free_name=False`) and failed before the
+            # claim lapsed would leave the name taken, and the next test's worker would refuse it.
+            self.stack.redis.delete(keys.worker_name_claim(self.name))
             while self.name in live_workers(self.stack.redis):
                 time.sleep(0.5)
 
@@ -374,6 +377,18 @@ class ExtraWorker:
         self.stack.redis.delete(keys.worker_stats(self.name))
         if free_name:
             self.stack.redis.delete(keys.worker_name_claim(self.name))
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The worker and its engine stopped (SIGSTOP) for the block, then continued; a kill
+        inside the block ends it frozen."""
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            if self.process.poll() is None:
+                os.killpg(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

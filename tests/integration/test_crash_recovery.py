@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from core import keys
+from core.events import parse_events
 from core.tiers import Tier
 from core.workerinfo import live_workers
 from tests.support import (
@@ -223,13 +224,29 @@ def _until_streamed(stack: Stack, key: str, job_id: str, tokens: int) -> list[di
         return read_sse(client, job_id, until=enough)
 
 
+def _wait_streamed(stack: Stack, jobs: list[dict[str, Any]], tokens: int) -> None:
+    """Until each job's stream in Redis holds deltas of at least `tokens` tokens."""
+    deadline = time.monotonic() + 120
+    while True:
+        with stack.redis.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                pipe.xrange(keys.job_event_stream(job["id"]))
+            streams = pipe.execute()
+        streamed = [
+            sum(e["tokens"] for e in parse_events(entries) if e["type"] == "delta")
+            for entries in streams
+        ]
+        if min(streamed) >= tokens:
+            return
+        assert time.monotonic() < deadline, f"the jobs did not stream {tokens} tokens: {streamed}"
+        time.sleep(0.05)
+
+
 def test_streamed_jobs_continue_on_another_worker_from_what_was_streamed(stack: Stack) -> None:
     """Readers of 20 jobs whose worker is killed keep one continuous text: the survivor
     continues each from the text already streamed and generates only the rest."""
     key = stack.create_key(Tier.PREMIUM)
-    # Long enough to be mid-generation once every reader has seen `shown` tokens: 20 readers
-    # parsing SSE on a busy 2-core host fall seconds behind the engine.
-    tokens, count, shown = 6000, 20, 200
+    tokens, count, shown = 3000, 20, 200
     # Generating 20 streamed jobs beside 20 SSE readers on 2 vCPUs once starved the test Redis
     # of CPU past the victim's 5 s claim (once in a full CI run; stalls of up to 15 s were seen):
     # taken for lost while it lived, its jobs were handed on before the kill. The claim's TTL
@@ -257,8 +274,13 @@ def test_streamed_jobs_continue_on_another_worker_from_what_was_streamed(stack: 
                 while not all(stack.redis.exists(keys.job_watched(job["id"])) for job in jobs):
                     assert time.monotonic() < deadline, "the readers did not all connect"
                     time.sleep(0.05)
-            seen = {j["id"]: r.result(timeout=120) for j, r in zip(jobs, readers, strict=True)}
-            victim.kill(free_name=False)
+            # 20 readers parsing SSE on a busy 2-core host fall far behind the engine (once, all
+            # 20 jobs ended before the readers had seen 200 tokens): the victim is frozen as soon
+            # as it has streamed `shown` tokens of every job, and killed once they were read.
+            _wait_streamed(stack, jobs, shown)
+            with victim.frozen():
+                seen = {j["id"]: r.result(timeout=120) for j, r in zip(jobs, readers, strict=True)}
+                victim.kill(free_name=False)
             on_victim = _on_victim(stack, jobs)
             prompt_tokens = {job["id"]: job["usage"]["prompt_tokens"] for job in jobs}
         # What each job was at the kill, and what its reader had seen, should this fail.

@@ -94,12 +94,11 @@ def _room_args(lanes: Sequence[str | None]) -> list[str]:
 
 async def waiting_counts(
     client: aioredis.Redis, lanes: Sequence[str | None] = (None,)
-) -> dict[Tier, int]:
-    """Jobs waiting per tier, over the `lanes`: queued messages (shared and routed) plus jobs
-    held back."""
+) -> dict[str | None, dict[Tier, int]]:
+    """Jobs waiting in each of the `lanes` per tier: queued messages (shared and routed) plus
+    jobs held back."""
     counts = await client.eval(WAITING_SCRIPT, 0, *waiting_args(lanes))
-    by_lane = waiting_by_lane(counts, lanes)
-    return {tier: sum(by_lane[lane][tier] for lane in lanes) for tier in TIERS_BY_PRIORITY}
+    return waiting_by_lane(counts, lanes)
 
 
 async def measured_capacity(client: aioredis.Redis) -> float:

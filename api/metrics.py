@@ -66,8 +66,11 @@ def _route(scope: Scope) -> str:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(services: ServicesDep) -> Response:
     """Prometheus exposition; queue lengths (held jobs included) are read at scrape time."""
-    for tier, waiting in (await waiting_counts(services.redis, services.settings.lanes)).items():
-        QUEUE_LENGTH.labels(tier.value).set(waiting)
+    settings = services.settings
+    for lane, waiting in (await waiting_counts(services.redis, settings.lanes)).items():
+        model = lane or settings.model_name  # the first model's lane also holds its adapters'
+        for tier, count in waiting.items():
+            QUEUE_LENGTH.labels(tier.value, model).set(count)
     registry = REGISTRY
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()

@@ -90,7 +90,9 @@ JOBS_REQUEUED = Counter(
     "inferq_jobs_requeued_total", "Jobs put back in the queue after their worker was lost."
 )
 QUEUE_LENGTH = Gauge(
-    "inferq_queue_length", "Jobs waiting in each tier's queue (read at scrape time).", ["tier"]
+    "inferq_queue_length",
+    "Jobs waiting in each tier's queue of each model (read at scrape time).",
+    ["tier", "model"],
 )
 IN_FLIGHT = Gauge("inferq_jobs_in_flight", "Jobs running in this worker's engine.", ["worker"])
 KV_CACHE_USAGE = Gauge(

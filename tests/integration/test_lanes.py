@@ -18,7 +18,7 @@ from core.models import Job
 from core.tiers import Tier
 from tests.otlp import OtlpReceiver
 from tests.stacks import stack_of_its_own
-from tests.support import ExtraWorker, Stack, wait_final
+from tests.support import ExtraWorker, Stack, scrape, value, wait_final
 
 OTHER = "tiny-b"
 """The second model: the tiny model's files under another served name."""
@@ -72,6 +72,11 @@ def test_a_lost_workers_jobs_wait_in_its_models_lane_for_a_worker_of_that_model(
         time.sleep(2.0)
         assert {status for status, _, _ in _rows(stack, jobs).values()} == {"queued"}
         assert stack.redis.llen(keys.queue_name(Tier.PREMIUM, OTHER)) >= len(jobs)
+        # What an autoscaler of the model's workers reads: its own lane's waiting jobs.
+        waiting = scrape(f"{stack.api_url}/metrics")
+        assert value(waiting, "inferq_queue_length", tier="premium", model=OTHER) == len(jobs)
+        first_model = frozenset({"tier": "premium", "model": stack.model_name}.items())
+        assert waiting[("inferq_queue_length", first_model)] == 0  # shown, and nothing waits
 
     second = ExtraWorker(stack, "b2@lanes", concurrency=4, args=["--model", OTHER])
     with second.running(), stack.client(key) as client:

@@ -50,7 +50,8 @@ def test_metrics_move_with_real_jobs(stack: Stack) -> None:
     # The API: submissions by tier, queue lengths back to zero, requests by route template.
     assert moved(api_before, api_after, "inferq_jobs_submitted_total", **basic) == 3
     for tier in ("premium", "standard", "basic"):
-        assert value(api_after, "inferq_queue_length", tier=tier) == 0
+        queue = frozenset({"tier": tier, "model": stack.model_name}.items())
+        assert api_after[("inferq_queue_length", queue)] == 0  # shown, and nothing waits
     posted = {"method": "POST", "route": "/v1/jobs", "status": "202"}
     assert moved(api_before, api_after, "inferq_http_requests_total", **posted) == 3
     polled = {"method": "GET", "route": "/v1/jobs/{job_id}", "status": "200"}

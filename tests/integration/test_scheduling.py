@@ -13,7 +13,7 @@ import httpx
 from core import keys
 from core.tiers import DEFAULT_TIER_POLICIES, Tier
 from tests.integration.test_cancel_and_deadlines import full_worker
-from tests.support import WORKER_CONCURRENCY, Stack, wait_final
+from tests.support import WORKER_CONCURRENCY, Stack, scrape, wait_final
 
 
 def _started(job: dict[str, Any]) -> datetime:
@@ -168,18 +168,14 @@ def test_a_flooding_owner_does_not_starve_another_owner_of_the_same_tier(stack: 
         flood = _batch(stack, flooder, 300)
         later = _batch(stack, other, 3)
         held = stack.queue_lengths()["basic"]
-        metrics = httpx.get(f"{stack.api_url}/metrics", timeout=10).text
+        metrics = scrape(f"{stack.api_url}/metrics")
     flood_done = _finals(stack, flooder, flood)
     later_done = _finals(stack, other, later)
 
     assert held >= 303 - 5  # all of it waited: 128 in the queue, the rest held per owner
     # What a user watching /metrics sees waiting counts the held jobs too, not only the queue.
-    [shown] = [
-        float(line.split()[-1])
-        for line in metrics.splitlines()
-        if line.startswith('inferq_queue_length{tier="basic"}')
-    ]
-    assert shown >= 303 - 5
+    basic = frozenset({"tier": "basic", "model": stack.model_name}.items())
+    assert metrics[("inferq_queue_length", basic)] >= 303 - 5
     assert all(job["status"] == "succeeded" for job in flood_done + later_done)
     starts = sorted(_started(job) for job in flood_done + later_done)
     for job in later_done:

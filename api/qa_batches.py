@@ -24,7 +24,7 @@ from api.cancelling import cancel_batch_jobs
 from api.openai.chat_prompt import render_chat
 from api.schemas import NO_NUL, JobCreate, Message
 from api.services import Services
-from api.submission import submit_jobs
+from api.submission import model_of, submit_jobs
 from core.apikeys import Principal
 from core.batches import BatchStore, new_batch_id
 from core.errors import ClientError, ContextLengthExceeded, InvalidRequest, NotFound
@@ -79,6 +79,22 @@ class QaBatchCreate(BaseModel):
         pattern=NO_NUL,
         description="The served model (the default) or a registered LoRA adapter of it.",
     )
+    experiment: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100,
+        pattern=NO_NUL,
+        description="An A/B experiment to answer the questions in: the variant chosen by `user` "
+        "sets every answer's model and sampling (over what the request says).",
+    )
+    user: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        pattern=NO_NUL,
+        description="Who the batch is for; an experiment gives one user one variant (default: "
+        "the key's owner).",
+    )
     max_tokens: int | None = Field(default=None, gt=0)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -118,6 +134,8 @@ class QaBatchCreate(BaseModel):
         text = self.prompt(document, question)
         return JobCreate(
             model=self.model,
+            experiment=self.experiment,
+            user=self.user,
             prompt=text if self.raw else None,
             messages=None if self.raw else self._messages(text),
             max_tokens=self.max_tokens,
@@ -228,10 +246,11 @@ async def create_batch(services: Services, principal: Principal, body: QaBatchCr
         prompt_template=body.prompt_template,
         sampling_params=body.model_dump(exclude=PROMPTING_FIELDS),
     )
-    model = services.models.of(body.model)
-    prompts = await run_in_threadpool(body.counted_prompts, model, document)
-    # Every question's job asks the same of the engine; its prompt is made above.
+    # Every question's job asks the same of the engine; its prompt is made below, for the
+    # model the job runs on (an experiment's variant may choose it).
     job = body.job(document, body.questions[0])
+    model = model_of(services, principal, job)
+    prompts = await run_in_threadpool(body.counted_prompts, model, document)
     try:
         await submit_jobs(
             services, principal, [job] * len(body.questions), batch_row=row, prompts=prompts

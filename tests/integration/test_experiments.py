@@ -92,3 +92,53 @@ def test_an_experiment_gives_each_user_one_variant_near_its_weight_and_reports_i
     assert rows["control"][3] == "0.0%" and rows["short"][3] == "0.0%"  # error rates
     assert "1.00 [1.00, 1.00] (n=20)" in " ".join(rows["control"])
     assert "0.00 [0.00, 0.00] (n=10)" in " ".join(rows["short"])
+
+
+def test_a_qa_batch_in_an_experiment_answers_every_question_as_its_users_variant(
+    stack: Stack,
+) -> None:
+    key = stack.create_key(Tier.PREMIUM)
+    with stack.client(key) as client:
+        # A user of each variant, as single jobs of the experiment find them.
+        probes = [
+            {"prompt": "Probe", "experiment": "greeting", "user": f"reader-{i}", "max_tokens": 1}
+            for i in range(60)
+        ]
+        response = client.post("/v1/jobs/batch", json={"jobs": probes})
+        assert response.status_code == 202, response.text
+        user_of = {
+            job["variant"]: probe["user"]
+            for probe, job in zip(probes, response.json()["data"], strict=True)
+        }
+        assert set(user_of) == {"control", "short"}
+
+        questions = ["Who wrote it?", "When?", "Why?"]
+        for variant, user in user_of.items():
+            batch = {
+                "document": "The report was written by Ada in 1843 to explain the engine.",
+                "questions": questions,
+                "experiment": "greeting",
+                "user": user,
+                "max_tokens": 4,
+            }
+            created = client.post("/v1/qa-batches", json=batch)
+            assert created.status_code == 202, created.text
+            answers = client.get(f"/v1/qa-batches/{created.json()['id']}").json()["answers"]
+            assert [answer["question"] for answer in answers] == questions
+            for answer in answers:
+                job = wait_final(client, answer["job_id"])
+                assert job["status"] == "succeeded", job
+                assert (job["experiment"], job["variant"]) == ("greeting", variant)
+                # The variant sets every answer: "short" allows two tokens whatever was asked.
+                allowed = 2 if variant == "short" else 4
+                assert job["sampling_params"]["max_tokens"] == allowed
+                assert 0 < job["usage"]["completion_tokens"] <= allowed
+
+        unknown = client.post(
+            "/v1/qa-batches",
+            json={"document": "A text.", "questions": ["What?"], "experiment": "missing"},
+        )
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["code"] == "experiment_not_found"
+    with stack.db.session() as session:
+        assert session.scalar(select(func.count()).where(Job.experiment == "missing")) == 0

@@ -152,14 +152,24 @@ def test_a_dead_workers_jobs_resume_within_seconds_whatever_its_lease(stack: Sta
     the scheduler hands its jobs to the survivor then, well inside the premium tier's default
     limit of 30 s."""
     key = stack.create_key(Tier.PREMIUM)
-    tokens = 10 * TOKENS  # still running when the last of them starts, even at the engine's best
+    tokens = 10 * TOKENS
     with Victim(stack, env={"INFERQ_LEASE_TTL_S": "120"}).running() as victim:
         with survivor_paused(stack):
-            jobs = _run_on_victim(stack, key, "Long lease", tokens)
-            victim.kill(free_name=False)  # as a real death: nothing tidies up after it
+            jobs = [
+                stack.submit(key, prompt=f"Long lease, {i}.", max_tokens=tokens, ignore_eos=True)
+                for i in range(JOBS_PER_TRIAL)
+            ]
+            # Frozen the moment it runs any: waiting for all six to start, a stall of the host
+            # (Redis starved for 9 s) once let every job end before the kill.
+            deadline = time.monotonic() + 60
+            while not _on_victim(stack, jobs):
+                assert time.monotonic() < deadline, "the victim started none of the jobs"
+                time.sleep(0.05)
+            with victim.frozen():
+                on_victim = _on_victim(stack, jobs)
+                victim.kill(free_name=False)  # as a real death: nothing tidies up after it
             killed_at = time.monotonic()
-            on_victim = _on_victim(stack, jobs)
-        assert on_victim, "every job ended before the kill"
+        assert on_victim
         deadline = killed_at + 60
         while any(_workers_of(stack, on_victim)[job_id][2] < 2 for job_id in on_victim):
             assert time.monotonic() < deadline, "the dead worker's jobs were not handed on"

@@ -20,6 +20,7 @@ import pytest
 
 from core import keys
 from core.events import parse_events
+from core.events import streamed_text as fold_stream
 from core.tiers import Tier
 from core.workerinfo import live_workers
 from tests.support import (
@@ -242,10 +243,7 @@ def _wait_streamed(stack: Stack, jobs: list[dict[str, Any]], tokens: int) -> Non
             for job in jobs:
                 pipe.xrange(keys.job_event_stream(job["id"]))
             streams = pipe.execute()
-        streamed = [
-            sum(e["tokens"] for e in parse_events(entries) if e["type"] == "delta")
-            for entries in streams
-        ]
+        streamed = [fold_stream(parse_events(entries))[1] for entries in streams]
         if min(streamed) >= tokens:
             return
         assert time.monotonic() < deadline, f"the jobs did not stream {tokens} tokens: {streamed}"

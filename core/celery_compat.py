@@ -9,6 +9,10 @@ of which leans on names that Celery and kombu do not promise to keep:
   worker state kept up to date by hand for its remote control;
 - `RunJobMessages` (below): `run_job` messages built as kombu's Redis transport stores them.
 
+The scheduler also reads kombu's records of unacknowledged messages, in every mode, to hand on
+the jobs a lost worker took and never started (`core.queue.unstarted`); an entry it cannot read
+is left to kombu's own restore.
+
 `PRIVATE_NAMES` lists every such name and where it is used. `check()` runs when a worker, the
 API or the scheduler starts: on a Celery or kombu outside the tested series, or when one of the
 names is gone, it stops the process with a message that names them. `INFERQ_CELERY_MODE=stock`
@@ -82,6 +86,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(f"{_REDIS}:Channel", "unacked_index_key", _EDGE),
     PrivateName(f"{_REDIS}:Channel", "_queue_cycle", _EDGE, instance=True),
     PrivateName("kombu.transport.virtual.base:Channel", "_qos", _EDGE, instance=True),
+    PrivateName(f"{_REDIS}:Channel", "unacked_key", "core.queue.unstarted"),
+    PrivateName(f"{_REDIS}:Channel", "unacked_index_key", "core.queue.unstarted"),
+    PrivateName(f"{_REDIS}:QoS", "restore_by_tag", "core.queue.unstarted (the entry it reads)"),
     PrivateName(f"{_REDIS}:QoS", "restore_unacked", _EDGE),
     PrivateName(f"{_REDIS}:QoS", "can_consume_max_estimate", _EDGE),
     PrivateName("kombu.transport.virtual.base:QoS", "_delivered", _EDGE, instance=True),

@@ -9,6 +9,9 @@ Each tick:
   died or stalled: the claim lapses `worker_name_ttl_s` after its last renewal, 5 s by
   default, and is still missing `CLAIM_MISSING_S` later), or, failing that, when a job's
   lease has lapsed (`lease_ttl_s`);
+- puts back in their queues the messages of queued jobs that a worker took and never started
+  (it died or froze right after taking them: `core.queue.unstarted`), as soon as its running
+  jobs would be handed on;
 - notices when Redis has lost its data (restarted without persistence, failed over to an empty
   replica, flushed) by the absence of a mark that never expires, and sends every queued job's
   message again: the database, not Redis, is the record of which jobs wait. A job whose message
@@ -38,6 +41,7 @@ from core.jobs import JobStore
 from core.metrics import JOBS_FINISHED, JOBS_REQUEUED
 from core.models import Job, as_utc, utcnow
 from core.queue.app import ENQUEUED_AT_HEADER, enqueue_jobs
+from core.queue.unstarted import UnstartedJobs
 from core.settings import Settings
 from core.states import JobStatus
 from core.workernames import lease_holder
@@ -62,6 +66,8 @@ class TickReport:
 
     expired: list[str] = field(default_factory=list)
     requeued: list[str] = field(default_factory=list)
+    unstarted: list[str] = field(default_factory=list)
+    """Queued jobs whose messages a worker took and never started, put back in their queues."""
     failed: list[str] = field(default_factory=list)
     resent: int = 0
 
@@ -79,6 +85,10 @@ class Scheduler:
         self.publisher = EventPublisher(client, settings.job_key_ttl_s)
         self._drop_lease = client.register_script(_DROP_LEASE)
         self._missing_since: dict[str, float] = {}  # worker → when its claim was first missed
+        # A message is taken for abandoned when a lost worker's running jobs would be handed on.
+        self.unstarted = UnstartedJobs(
+            client, store, after_s=settings.worker_name_ttl_s + CLAIM_MISSING_S
+        )
 
     def tick(self) -> TickReport:
         """Do one round of periodic work."""
@@ -95,6 +105,8 @@ class Scheduler:
                 job_id, "timed_out", status=JobStatus.TIMED_OUT.value, error_code="queue_timeout"
             )
         self._reap(now, report)
+        report.unstarted = self.unstarted.hand_on()
+        JOBS_REQUEUED.inc(len(report.unstarted))
         return report
 
     def _resend_if_redis_lost_data(self) -> int:
@@ -230,11 +242,13 @@ class Scheduler:
             try:
                 report = self.tick()
                 health.set_ready(True)
-                if report.expired or report.requeued or report.failed or report.resent:
+                if any(vars(report).values()):
                     log.info(
-                        "tick: %d expired, %d requeued, %d failed, %d resent",
+                        "tick: %d expired, %d requeued, %d unstarted put back, %d failed, "
+                        "%d resent",
                         len(report.expired),
                         len(report.requeued),
+                        len(report.unstarted),
                         len(report.failed),
                         report.resent,
                     )

@@ -43,9 +43,10 @@ def make_celery_app(settings: Settings) -> Celery:
             **transport_options,  # Sentinel's service, where INFERQ_REDIS_URL names one
             # Poll the tier queues in the declared order every time, not round-robin.
             "queue_order_strategy": "priority",
-            # A message taken by a worker that died before starting its job (the job is still
-            # queued, so the lease reaper does not see it) goes back to its queue after this.
-            # Live workers' long jobs get one duplicate delivery too, which their lease skips.
+            # kombu's restore of a message taken by a worker that died before starting its job,
+            # after this (on a sweep about every 100 s): the fallback where no scheduler runs,
+            # which puts such messages back sooner (`core.queue.unstarted`). Live workers' long
+            # jobs get one duplicate delivery, which their lease skips.
             "visibility_timeout": REDELIVER_UNACKED_AFTER_S,
         },
         broker_connection_retry_on_startup=True,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import Table, and_, bindparam, func, insert, or_, select, update
+from sqlalchemy import Table, and_, bindparam, func, insert, or_, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -291,14 +291,22 @@ class JobStore:
             error_message=message,
         )
 
-    def start_attempts(self, job_ids: list[str], worker: str) -> list[Job]:
-        """Start a new attempt of every job among `job_ids` that is not final, in one statement."""
+    def start_attempts(self, attempts: dict[str, int], worker: str) -> list[Job]:
+        """Start a new attempt of every job (id → the attempt it was read at) that is not final
+        and still at that attempt, in one statement.
+
+        The attempt fences a worker that stalled between its read and this write: another
+        worker may have started the job meanwhile (its message handed on), and it must not run
+        twice.
+        """
+        if not attempts:
+            return []
         with self.db.session() as session:
             return list(
                 session.scalars(
                     update(Job)
                     .where(
-                        Job.id.in_(job_ids),
+                        tuple_(Job.id, Job.attempt).in_(list(attempts.items())),
                         Job.status.in_([JobStatus.QUEUED, JobStatus.RUNNING]),
                     )
                     .values(

@@ -230,7 +230,8 @@ class JobStarter:
                 answers[job_id] = ended
             else:
                 to_start.append(job_id)
-        return {job.id: job for job in self.store.start_attempts(to_start, self.worker_name)}
+        attempts = {job_id: jobs[job_id].attempt for job_id in to_start}
+        return {job.id: job for job in self.store.start_attempts(attempts, self.worker_name)}
 
     def _end_without_engine(
         self, job: Job, cancel_requested: bool, refusal: Refusal | None

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from core.db import Database
+from core.jobs import JobStore
+from migrations import upgrade
 from tests.otlp import OtlpReceiver
 from tests.stacks import running_stack
 from tests.support import RedisServer, Stack, postgres_database, redis_server
@@ -71,3 +74,18 @@ def _admission_as_on_a_fresh_stack(request: pytest.FixtureRequest) -> None:
     if "stack" in request.fixturenames:
         stack: Stack = request.getfixturevalue("stack")
         stack.forget_measured_load()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobStore]:
+    """A job store on a fresh, migrated database."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'inferq.db'}"
+        upgrade(url)
+        yield JobStore(Database(url))
+        return
+    with postgres_database() as url:
+        upgrade(url)
+        database = Database(url)
+        yield JobStore(database)
+        database.engine.dispose()

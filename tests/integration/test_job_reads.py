@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from sqlalchemy import event
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
@@ -15,23 +13,6 @@ from api.job_reads import MAX_READ, JobReads
 from core.db import Database
 from core.jobs import JobStore
 from core.new_jobs import NewJob
-from migrations import upgrade
-from tests.support import postgres_database
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[JobStore]:
-    """A job store on a fresh, migrated database."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'inferq.db'}"
-        upgrade(url)
-        yield JobStore(Database(url))
-        return
-    with postgres_database() as url:
-        upgrade(url)
-        database = Database(url)
-        yield JobStore(database)
-        database.engine.dispose()
 
 
 def _jobs_selects(store: JobStore) -> list[str]:

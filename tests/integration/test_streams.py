@@ -269,7 +269,7 @@ def test_a_job_is_stored_final_only_after_its_deltas_are_published(stack: Stack)
             prompt_tokens=1,
         )
     )
-    (job,) = store.start_attempts([job.id], "probe@inferq-test")
+    (job,) = store.start_attempts({job.id: job.attempt}, "probe@inferq-test")
     publisher = EventPublisher(stack.redis, ttl_s=60)
     deltas = DeltaPublisher(publisher)
     status_when_flushed: list[str] = []

@@ -9,9 +9,9 @@ BRPOP polls them: premium before standard before basic, a worker's own queue bef
 shared one. A queued premium job is therefore never passed over for a basic one.
 
 The take is one Lua script that pops the messages *and* records them as unacknowledged in the
-same atomic step, so a worker that dies right after still has them restored by the transport's
-visibility timeout, exactly like messages it took one at a time (a plain BRPOP cannot do that:
-a worker killed between the pop and the bookkeeping loses the message).
+same atomic step, so the jobs of a worker that dies right after are still handed on (by the
+scheduler, `core.queue.unstarted`), exactly like messages it took one at a time (a plain BRPOP
+cannot do that: a worker killed between the pop and the bookkeeping loses the message).
 
 The channel also counts the jobs the worker still holds from an earlier connection. After a
 reconnect, kombu's new channel has no unacknowledged messages of its own, and Celery restores

@@ -10,11 +10,15 @@ never ran), and kombu's own visibility restore returns their messages only long 
 
 `UnstartedJobs.hand_on` looks once at each message taken more than `after_s` ago (the scheduler
 sets it to how long a lost worker's running jobs wait to be handed on) and puts it back at the
-front of its queue, marked redelivered as kombu's restore marks it, if its job is still queued.
+front of its queue, marked redelivered as kombu's restore marks it and under a delivery tag of
+its own, if its job is still queued.
 A live worker that was merely slow to start it gets a duplicate: of the two takers, the one that
 finds the job's lease held or the job running skips it. A worker that froze after claiming the
 job's lease, before marking it running, leaves a lease on a queued job: it goes with the move
-when its worker has lost its name, and defers the move while the worker holds it.
+when its worker has lost its name, and defers the move while the worker holds it. Should the
+frozen worker wake, it finds the job started at a later attempt and skips it
+(`core.jobs.JobStore.start_attempts`). A worker whose clock lags the scheduler's by more than
+`after_s` records takes that this never looks at: kombu's restore is their fallback.
 
 The unacked records are kombu's Redis transport's storage, not its public API: the names and the
 entry's shape this reads are listed in `core.celery_compat.PRIVATE_NAMES`. An entry of another
@@ -28,6 +32,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass
 
 import redis
@@ -35,6 +40,7 @@ from kombu.transport.redis import Channel
 
 from core import keys
 from core.jobs import JobStore
+from core.queue.app import RUN_JOB_TASK
 from core.states import JobStatus
 from core.workernames import lease_holder
 
@@ -74,17 +80,25 @@ class TakenMessage:
 
 
 def read_entry(tag: str, entry: bytes) -> TakenMessage | None:
-    """The taken message an unacked entry holds (None: not a `run_job` message inferq knows)."""
+    """The taken message an unacked entry holds (None: not a `run_job` message as inferq sends
+    them: to the default exchange, with no priority, whose queue is its routing key)."""
     try:
-        payload, _exchange, routing_key = json.loads(entry)
+        payload, exchange, routing_key = json.loads(entry)
+        headers, properties = payload["headers"], payload["properties"]
         body = json.loads(base64.b64decode(payload["body"]))
         job_id = body[0][0]
-        payload["headers"]["redelivered"] = True
-        payload["properties"]["delivery_info"]["redelivered"] = True
     except (ValueError, KeyError, TypeError, IndexError):
         return None
-    if not isinstance(job_id, str) or not isinstance(routing_key, str) or not routing_key:
+    plain = exchange == "" and properties.get("priority") in (0, None)
+    if not plain or headers.get("task") != RUN_JOB_TASK or not isinstance(job_id, str):
         return None
+    if not isinstance(routing_key, str) or not routing_key:
+        return None
+    headers["redelivered"] = True
+    properties["delivery_info"]["redelivered"] = True
+    # A tag of its own: the worker that took the original may still ack it (it was frozen, or
+    # ends its skip), which must not remove the next taker's record of this copy.
+    properties["delivery_tag"] = str(uuid.uuid4())
     return TakenMessage(tag, entry, job_id, routing_key, json.dumps(payload).encode())
 
 
@@ -109,28 +123,35 @@ class UnstartedJobs:
 
     def hand_on(self, now: float | None = None) -> list[str]:
         """Put back the messages of unstarted jobs that turned `after_s` old since the last
-        call (at the first, every such message); the ids of their jobs."""
+        call (at the first, every such message); the ids of their jobs.
+
+        What it looked at is remembered only once the call has succeeded: a call that fails
+        (Redis or the database out) leaves the same messages to the next.
+        """
         until = (time.time() if now is None else now) - self.after_s
         tags = list(self._again)
         if until > self._seen_to:
             since = "-inf" if self._seen_to == -math.inf else f"({self._seen_to!r}"
             found: list[bytes | str] = self.redis.zrangebyscore(UNACKED_INDEX_KEY, since, until)  # type: ignore[assignment]
             tags += [_text(tag) for tag in found]
-            self._seen_to = until
-        if not tags:
-            return []
-        entries = self.redis.hmget(UNACKED_KEY, tags)
-        self._again = set()
-        taken = [
-            message
-            for tag, entry in zip(tags, entries, strict=True)
-            if entry is not None and (message := read_entry(tag, _bytes(entry))) is not None
-        ]
-        return self._restore_queued(taken)
+        handed_on: list[str] = []
+        again: set[str] = set()
+        if tags:
+            entries = self.redis.hmget(UNACKED_KEY, tags)
+            taken = [
+                message
+                for tag, entry in zip(tags, entries, strict=True)
+                if entry is not None and (message := read_entry(tag, _bytes(entry))) is not None
+            ]
+            handed_on, again = self._restore_queued(taken)
+        self._seen_to = max(self._seen_to, until)
+        self._again = again
+        return handed_on
 
-    def _restore_queued(self, taken: list[TakenMessage]) -> list[str]:
+    def _restore_queued(self, taken: list[TakenMessage]) -> tuple[list[str], set[str]]:
+        """Put back those whose jobs are queued: the jobs' ids, and the tags to look at again."""
         if not taken:
-            return []
+            return [], set()
         jobs = self.store.get_many(list({message.job_id for message in taken}))
         queued = [
             message
@@ -139,20 +160,20 @@ class UnstartedJobs:
             and job.status == JobStatus.QUEUED.value
         ]
         if not queued:
-            return []
+            return [], set()
         leases = self.redis.mget([keys.job_lease(message.job_id) for message in queued])
         live = self._live_claims()
-        handed_on = []
+        handed_on, again = [], set()
         for message, lease in zip(queued, leases, strict=True):
             if lease is not None and lease_holder(lease) in live:
-                self._again.add(message.tag)
+                again.add(message.tag)
                 continue
             moved = self._restore(
                 keys=[UNACKED_KEY, UNACKED_INDEX_KEY, keys.job_lease(message.job_id)],
                 args=[message.tag, message.entry, message.queue, message.redelivered, lease or ""],
             )
             if moved == 2:
-                self._again.add(message.tag)
+                again.add(message.tag)
             elif moved:
                 log.warning(
                     "job %s: taken from %s over %gs ago and not started; back in its queue",
@@ -162,7 +183,7 @@ class UnstartedJobs:
                     extra={"job_id": message.job_id},
                 )
                 handed_on.append(message.job_id)
-        return handed_on
+        return handed_on, again
 
     def _live_claims(self) -> set[str]:
         """The claim tokens of the workers that hold their names now."""

@@ -24,8 +24,10 @@ def test_a_run_job_entry_gives_its_job_its_queue_and_the_message_marked_redelive
     back = json.loads(taken.redelivered)
     assert back["headers"]["redelivered"] is True
     assert back["properties"]["delivery_info"]["redelivered"] is True
-    # Otherwise the message the worker gets again is the one it was sent.
     original = json.loads(sent)
+    # A tag of its own, so that the first taker's ack cannot remove the next one's record.
+    assert back["properties"].pop("delivery_tag") != original["properties"].pop("delivery_tag")
+    # Otherwise the message the worker gets again is the one it was sent.
     del back["headers"]["redelivered"], back["properties"]["delivery_info"]["redelivered"]
     assert back == original
 
@@ -34,10 +36,15 @@ def test_an_entry_of_another_shape_is_left_alone() -> None:
     messages = RunJobMessages(make_celery_app(Settings()), RUN_JOB_TASK)
     sent = json.loads(messages.message("job_1", "inferq.basic", {}))
     not_a_job = dict(sent, body="bm90IGpzb24=")  # base64 of "not json"
+    another_task = dict(sent, headers=dict(sent["headers"], task="other.task"))
+    prioritized = dict(sent, properties=dict(sent["properties"], priority=5))
     for entry in (
         b"not json",
         json.dumps([sent, ""]).encode(),  # no routing key
+        json.dumps([sent, "an-exchange", "inferq.basic"]).encode(),
         json.dumps([not_a_job, "", "inferq.basic"]).encode(),
+        json.dumps([another_task, "", "inferq.basic"]).encode(),
+        json.dumps([prioritized, "", "inferq.basic"]).encode(),  # kept in another list
         json.dumps({"message": sent}).encode(),
     ):
         assert read_entry("tag", entry) is None

@@ -80,16 +80,15 @@ def test_jobs_spread_over_two_hosts_and_a_cut_host_loses_and_overwrites_nothing(
                 for i in range(JOBS)
             ]
             ids = [job["id"] for job in jobs]
-            # Cut once every job has started (none merely taken from the queue) while host-a
-            # runs some. The workers need not start all 12 at once (once 2 on host-a and 4 on
-            # host-b, the rest after those ended, 4 s later on a fast host), so some may be over.
+            # Cut as soon as both hosts generate: host-a may also hold jobs it has taken from
+            # the queue and not started, which must run on host-b too. (The workers need not
+            # start all 12 at once: once 2 on host-a and 4 on host-b, the rest after those ended.)
             deadline = time.monotonic() + 120
-            while True:
-                rows = _rows(stack, ids)
-                started = all(row[0] in ("running", "succeeded") for row in rows.values())
-                if started and ("running", worker_a.name) in {row[:2] for row in rows.values()}:
-                    break
-                assert time.monotonic() < deadline, rows
+            while {row[1] for row in _rows(stack, ids).values() if row[0] == "running"} != {
+                worker_a.name,
+                worker_b.name,
+            }:
+                assert time.monotonic() < deadline, _rows(stack, ids)
                 time.sleep(0.05)
 
             a.cut()

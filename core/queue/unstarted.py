@@ -8,10 +8,10 @@ whose jobs are still queued in the database. The lease reaper does not see those
 never ran), and kombu's own visibility restore returns their messages only long after
 (`core.queue.app.REDELIVER_UNACKED_AFTER_S`, on a sweep some worker runs every 100 s).
 
-`UnstartedJobs.hand_on` looks once at each message taken more than `after_s` ago (the scheduler
-sets it to how long a lost worker's running jobs wait to be handed on) and puts it back at the
-front of its queue, marked redelivered as kombu's restore marks it and under a delivery tag of
-its own, if its job is still queued.
+`UnstartedJobs.hand_on` looks at each message when it turns `after_s` old (the scheduler sets
+it to how long a lost worker's running jobs wait to be handed on), and again while a live
+worker's lease defers it, and puts it back at the front of its queue, marked redelivered as
+kombu's restore marks it and under a delivery tag of its own, if its job is still queued.
 A live worker that was merely slow to start it gets a duplicate: of the two takers, the one that
 finds the job's lease held or the job running skips it. A worker that froze after claiming the
 job's lease, before marking it running, leaves a lease on a queued job: it goes with the move

@@ -10,15 +10,19 @@ The claim is also how a dead worker is noticed in seconds, whatever the job leas
 worker's lease tokens start with its claim's token (`lease_token`), so a lease whose maker no
 longer holds its name (`lease_holder` differs from the name's claim, or the claim is gone)
 belongs to a process that died or stalled past the TTL, and the scheduler hands its job on.
+
+A renewal that comes late is logged with how late it came. The threads' stacks are not dumped
+then: `faulthandler.dump_traceback_later`, the one way to dump them without the GIL, walks the
+other threads' frames while those threads run, and a worker continued after a stop (SIGCONT, a
+VM resumed) was seen to die of a segmentation fault in mid-dump. To see what a live worker is
+doing, dump its stacks from outside the process (`py-spy dump --pid PID`).
 """
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -102,7 +106,6 @@ class WorkerNameClaim:
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
         self._stopped = threading.Event()
-        self._watchdog = False
         self._renewer = threading.Thread(
             target=self._renew_loop, name="inferq-name-renewer", daemon=True
         )
@@ -113,14 +116,8 @@ class WorkerNameClaim:
         return self
 
     def started(self) -> None:
-        """The worker has started: from now on the claim lapses a TTL after its last renewal.
-
-        From now on, too, a renewal late by most of the TTL dumps every thread's stack to
-        stderr (`faulthandler`, from a thread that needs no GIL): what stalled the process
-        shows in its log before its jobs are handed on.
-        """
+        """The worker has started: from now on the claim lapses a TTL after its last renewal."""
         self._current_ttl_ms = self.ttl_ms
-        self._watchdog = True
         try:
             self.renew()
         except redis.RedisError as exc:  # the renewal thread sets it at its next turn
@@ -139,10 +136,6 @@ class WorkerNameClaim:
     def release(self) -> None:
         """Stop renewing and free the name, if it is still this process's."""
         self._stopped.set()
-        if self._watchdog:
-            if self._renewer.is_alive() and self._renewer is not threading.current_thread():
-                self._renewer.join(timeout=1.0)  # it arms the watchdog no more
-            faulthandler.cancel_dump_traceback_later()
         try:
             self._release(keys=[keys.worker_name_claim(self.name)], args=[self.token])
         except redis.RedisError:  # it lapses within the TTL by itself
@@ -169,10 +162,6 @@ class WorkerNameClaim:
                     self._current_ttl_ms / 1000,
                 )
             last = now
-            if self._watchdog and not self._stopped.is_set():
-                faulthandler.dump_traceback_later(
-                    (self.ttl_ms / 1000) * 0.8, file=sys.__stderr__ or sys.stderr
-                )
             if held and not renewed:
                 log.error(
                     "another process now goes by worker name %r (this one stalled past %.0fs)",

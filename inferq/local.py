@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -134,15 +135,24 @@ class LocalStack:
                 raise SystemExit(f"{name} exited with code {process.returncode}; see {log}")
 
     def stop(self) -> None:
-        """SIGTERM every child, newest first; SIGKILL what does not stop within `STOP_S`."""
+        """SIGTERM every child, newest first; SIGKILL what does not stop within `STOP_S`.
+
+        A child that had died, or is killed, may leave processes in its group (a worker's
+        engine core): they are killed with it.
+        """
         for _name, process in reversed(self.processes):
-            if process.poll() is None:
+            orderly = process.poll() is None
+            if orderly:
                 process.send_signal(signal.SIGTERM)
             try:
                 process.wait(timeout=STOP_S)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+                orderly = False
+            if not orderly:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
         self.processes.clear()
 
 

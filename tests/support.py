@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -361,6 +361,10 @@ class ExtraWorker:
         finally:
             if self.process is not None and self.process.poll() is None:
                 self.kill()
+            elif self.process is not None:
+                # A worker that died by itself leaves its engine core running in its group.
+                with suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
             # A test that killed it keeping its name (`free_name=False`) and failed before the
             # claim lapsed would leave the name taken, and the next test's worker would refuse it.
             self.stack.redis.delete(keys.worker_name_claim(self.name))

@@ -15,7 +15,8 @@ A renewal that comes late is logged with how late it came. The threads' stacks a
 then: `faulthandler.dump_traceback_later`, the one way to dump them without the GIL, walks the
 other threads' frames while those threads run, and a worker continued after a stop (SIGCONT, a
 VM resumed) was seen to die of a segmentation fault in mid-dump. To see what a live worker is
-doing, dump its stacks from outside the process (`py-spy dump --pid PID`).
+doing, dump its stacks from outside the process (`py-spy dump --pid PID`, which needs
+ptrace rights: in a container, the `SYS_PTRACE` capability).
 """
 
 from __future__ import annotations

@@ -137,23 +137,31 @@ class LocalStack:
     def stop(self) -> None:
         """SIGTERM every child, newest first; SIGKILL what does not stop within `STOP_S`.
 
-        A child that had died, or is killed, may leave processes in its group (a worker's
-        engine core): they are killed with it.
+        A child that died, failed or had to be killed may leave processes in its group (a
+        worker's engine core, with the engine's memory): its group is killed too, those of
+        children that had died already first. A child that stopped cleanly (exit 0) has stopped
+        its own, and its group is left to finish (multiprocessing's resource tracker cleans up).
         """
+        for _name, process in self.processes:
+            if process.poll() not in (None, 0):
+                _kill_group(process)
         for _name, process in reversed(self.processes):
-            orderly = process.poll() is None
-            if orderly:
+            if process.returncode is None:
                 process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=STOP_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-                orderly = False
-            if not orderly:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
+                try:
+                    process.wait(timeout=STOP_S)
+                except subprocess.TimeoutExpired:
+                    _kill_group(process)
+                    process.wait()
+                if process.returncode != 0:
+                    _kill_group(process)
         self.processes.clear()
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL what is left of the process group a child leads (see `LocalStack.start`)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def read_dev_key(data_dir: Path) -> str | None:

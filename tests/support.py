@@ -317,6 +317,7 @@ class ExtraWorker:
         self.concurrency = concurrency
         self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
+        self.group_killed = False  # by `kill`: its process group's id may be reused since
         self.log = (
             stack.local.settings.data_dir.resolve() / "logs" / f"{name.replace('@', '-')}.log"
         )
@@ -330,6 +331,7 @@ class ExtraWorker:
             "--metrics-port=0",
             *self.args,
         ]
+        self.group_killed = False
         self.process = subprocess.Popen(
             self.on_host(command) if self.on_host else command,
             env={**self.stack.local.env, **self.env},
@@ -361,7 +363,7 @@ class ExtraWorker:
         finally:
             if self.process is not None and self.process.poll() is None:
                 self.kill()
-            elif self.process is not None:
+            elif self.process is not None and not self.group_killed:
                 # A worker that died by itself leaves its engine core running in its group.
                 with suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
@@ -376,6 +378,7 @@ class ExtraWorker:
         restart need not wait for it to lapse (and the scheduler sees the death at once)."""
         assert self.process is not None
         os.killpg(self.process.pid, signal.SIGKILL)
+        self.group_killed = True
         self.process.wait()
         # Its counters would linger until their TTL; drop them so `wait_ready` sees the restart.
         self.stack.redis.delete(keys.worker_stats(self.name))

@@ -7,6 +7,10 @@ behind for its engine core.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shlex
+import signal
 import time
 from pathlib import Path
 
@@ -33,12 +37,18 @@ def _wait_for_file(path: Path) -> str:
 def test_stopping_kills_what_a_dead_child_left_in_its_group(tmp_path: Path) -> None:
     stack = LocalStack(Settings(data_dir=tmp_path))
     left = tmp_path / "left.pid"
-    child = stack.start("worker", ["sh", "-c", f"sleep 300 & echo $! > {left}; exit 3"])
+    child = stack.start(
+        "worker", ["sh", "-c", f"sleep 300 & echo $! > {shlex.quote(str(left))}; exit 3"]
+    )
     orphan = int(_wait_for_file(left))
-    child.wait(timeout=10)
-    assert _running(orphan)
-    stack.stop()
-    deadline = time.monotonic() + 10
-    while _running(orphan):
-        assert time.monotonic() < deadline, "the dead child's process lives on"
-        time.sleep(0.05)
+    try:
+        child.wait(timeout=10)
+        assert _running(orphan)
+        stack.stop()
+        deadline = time.monotonic() + 10
+        while _running(orphan):
+            assert time.monotonic() < deadline, "the dead child's process lives on"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)

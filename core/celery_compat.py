@@ -27,7 +27,7 @@ import importlib
 import inspect
 import json
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import version
@@ -35,6 +35,7 @@ from typing import Any
 
 from celery import Celery
 
+from core.queue.wake import push_wakes
 from core.redisconn import sync_client
 
 TESTED_SERIES = {"celery": "5.7", "kombu": "5.7"}
@@ -76,7 +77,11 @@ class PrivateName:
 _REDIS = "kombu.transport.redis"
 _EDGE = "workers.edge"
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    PrivateName(f"{_REDIS}:Channel", "_brpop_start", _EDGE),
     PrivateName(f"{_REDIS}:Channel", "_brpop_read", _EDGE),
+    PrivateName(f"{_REDIS}:Channel", "_in_poll", _EDGE),
+    PrivateName(f"{_REDIS}:Channel", "_brpop_sent_at", _EDGE),
+    PrivateName(f"{_REDIS}:Channel", "_flush_brpop_reauth", _EDGE),
     PrivateName(f"{_REDIS}:Channel", "_q_for_pri", _EDGE),
     PrivateName(f"{_REDIS}:Channel", "_create_client", _EDGE),
     PrivateName(f"{_REDIS}:Channel", "from_transport_options", _EDGE),
@@ -188,7 +193,8 @@ class RunJobMessages:
         return json.dumps(envelope).encode()
 
     def push(self, job_ids: list[str], queues: list[str], headers: list[dict[str, str]]) -> None:
-        """Put each job's message on its queue: one LPUSH per queue, all in one round trip."""
+        """Put each job's message on its queue, one LPUSH per queue, then the tokens that wake
+        waiting workers (`core.queue.wake`), all in one round trip."""
         by_queue: dict[str, list[bytes]] = defaultdict(list)
         for job_id, queue, extra in zip(job_ids, queues, headers, strict=True):
             by_queue[queue].append(self.message(job_id, queue, extra))
@@ -196,6 +202,13 @@ class RunJobMessages:
         for queue, messages in by_queue.items():
             for start in range(0, len(messages), PUBLISH_BATCH):
                 pipe.lpush(queue, *messages[start : start + PUBLISH_BATCH])
+        push_wakes(pipe, {queue: len(messages) for queue, messages in by_queue.items()})
+        pipe.execute()
+
+    def wake(self, queues: list[str]) -> None:
+        """Wake waiting workers for messages Celery itself sent to `queues`, one per message."""
+        pipe = self._client.pipeline(transaction=False)
+        push_wakes(pipe, Counter(queues))
         pipe.execute()
 
 

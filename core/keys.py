@@ -39,6 +39,12 @@ def worker_queue_name(tier: Tier | str, worker_name: str) -> str:
     return f"{queue_name(tier)}.{worker_name}"
 
 
+def queue_wake(queue: str) -> str:
+    """The wake-up list of a queue: tokens that tell a waiting worker it has messages
+    (`core.queue.wake`). The scripts that put messages on queues build the same name in Lua."""
+    return f"{PREFIX}:wake:{queue}"
+
+
 def job_events_channel(job_id: str) -> str:
     """Pub/sub channel carrying a job's live events."""
     return f"{PREFIX}:job:{job_id}:events"

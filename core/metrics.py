@@ -80,7 +80,7 @@ JOBS_MERGED = Counter(
 )
 JOBS_TAKEN_IN_BULK = Counter(
     "inferq_jobs_taken_in_bulk_total",
-    "Jobs a worker took from the queues in a bulk take (edge batching), not one per BRPOP.",
+    "Jobs a worker took beyond the first of each take (edge batching): the round trips saved.",
 )
 JOBS_CACHED = Counter(
     "inferq_jobs_cached_total", "Jobs answered from the result cache, without the engine.", ["tier"]

@@ -138,7 +138,7 @@ class Settings(BaseSettings):
         default=32,
         ge=1,
         description="Most jobs a worker with free slots takes from the queues in one Redis "
-        "round trip (edge batching); 1: one message per BRPOP, as Celery does by default.",
+        "round trip (edge batching); 1: one message a round trip, as Celery takes them.",
     )
     prefix_route_chars: int = Field(
         default=1024,

@@ -2,16 +2,20 @@
 
 Celery's Redis transport takes one message per BRPOP, so a worker that frees 32 slots while
 the queues hold hundreds of jobs makes 32 round trips (plus one each to record the message as
-unacknowledged) before its engine has them all. `EdgeBatchingTransport` keeps BRPOP for
-waiting, and after each message it gets, takes up to `edge_batch - 1` more at once, as many
-as the worker has free slots for (Celery's prefetch limit), from the queues in the same order
-BRPOP polls them: premium before standard before basic, a worker's own queue before the
-shared one. A queued premium job is therefore never passed over for a basic one.
+unacknowledged) before its engine has them all. `EdgeBatchingTransport` takes only by one Lua
+script (`workers.take`): up to as many messages as the worker has free slots for (Celery's
+prefetch limit, at most `edge_batch`), from the queues in polling order: premium before
+standard before basic, a worker's own queue before the shared one. A queued premium job is
+therefore never passed over for a basic one.
 
-The take is one Lua script that pops the messages *and* records them as unacknowledged in the
-same atomic step, so the jobs of a worker that dies right after are still handed on (by the
-scheduler, `core.queue.unstarted`), exactly like messages it took one at a time (a plain BRPOP
-cannot do that: a worker killed between the pop and the bookkeeping loses the message).
+The take pops the messages *and* records them as unacknowledged in the same atomic step, so the
+jobs of a worker that dies right after, or whose connection drops before the reply reaches it,
+are still handed on (by the scheduler, `core.queue.unstarted`). A BRPOP cannot do that: the
+message it pops is on no list in Redis until the worker records it in a second round trip, and
+is lost if the reply or the worker is. So the channel never pops to wait. While the last take
+found messages it takes again at once; once a take comes back empty it waits, by BLPOP on the
+wake-up lists of its queues (`core.queue.wake`), for a token or the wait's end (0.25 s), and
+takes then.
 
 The channel also counts the jobs the worker still holds from an earlier connection. After a
 reconnect, kombu's new channel has no unacknowledged messages of its own, and Celery restores
@@ -36,8 +40,8 @@ leaves those messages unacknowledged in Redis, as one killed before acking would
 visibility restore returns them, and the worker that takes them skips their final jobs.
 
 With a `tier_reserve` (a transport option, `workers.reserve.TierReserve`), the channel takes
-from a tier's queues only while the tier has room in the worker: BRPOP waits on those queues
-alone, and the bulk take stops at each tier's room. The reserve counts every message the
+from a tier's queues only while the tier has room in the worker: it waits on those queues'
+wake-up lists alone, and the take stops at each tier's room. The reserve counts every message the
 transport delivers, by the tier of the queue it was sent to, until it is acknowledged.
 
 Only the worker uses this transport; everything else publishes through the stock one, and the
@@ -51,6 +55,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from queue import Empty
 from typing import Any
 
 import redis
@@ -61,51 +66,13 @@ from kombu.utils.json import loads
 
 from core import keys
 from core.metrics import JOBS_TAKEN_IN_BULK
-from core.tiers import TIERS_BY_PRIORITY
 from workers.reserve import TierReserve
+from workers.take import take_command
 
 log = logging.getLogger(__name__)
 
 _BROKER_GONE = (AttributeError, redis.RedisError)
 """What kombu's Redis channel raises once its connection is lost or closed under it."""
-
-# KEYS: the lists in polling order, then the unacked hash and its index. ARGV: how many, now,
-# the number of tier groups G, each group's room, then each list's group (0: no limit).
-# Pops up to ARGV[1] messages, first list first, at most a group's room from its lists (a take
-# from group g uses up room in g and every later group: a lower tier's room counts the jobs of
-# the tiers above it), and records each as unacknowledged the way the transport's QoS does:
-# hash[tag] = [message, exchange, routing key], index[tag] = now.
-_TAKE = """
-local unacked, index = KEYS[#KEYS - 1], KEYS[#KEYS]
-local want = tonumber(ARGV[1])
-local groups = tonumber(ARGV[3])
-local room = {}
-for g = 1, groups do room[g] = tonumber(ARGV[3 + g]) end
-local taken = {}
-for i = 1, #KEYS - 2 do
-  local g = tonumber(ARGV[3 + groups + i])
-  while want > 0 and (g == 0 or room[g] > 0) do
-    local item = redis.call('RPOP', KEYS[i])
-    if not item then break end
-    local ok, message = pcall(cjson.decode, item)
-    if ok and type(message) == 'table' and type(message.properties) == 'table'
-        and message.properties.delivery_tag then
-      local info = message.properties.delivery_info or {}
-      local tag = message.properties.delivery_tag
-      redis.call('HSET', unacked, tag, '[' .. item .. ',' .. cjson.encode(info.exchange or '')
-        .. ',' .. cjson.encode(info.routing_key or '') .. ']')
-      redis.call('ZADD', index, ARGV[2], tag)
-    end
-    table.insert(taken, KEYS[i])
-    table.insert(taken, item)
-    want = want - 1
-    if g > 0 then
-      for later = g, groups do room[later] = room[later] - 1 end
-    end
-  end
-end
-return taken
-"""
 
 
 class EdgeBatchingQoS(redis_transport.QoS):
@@ -247,15 +214,13 @@ class JobsHeld:
 
 
 class EdgeBatchingChannel(redis_transport.Channel):
-    """A Redis channel that follows each BRPOP with one bulk take (see the module docstring)."""
+    """A Redis channel that takes only by the take script, and waits on wake-up lists (see the
+    module docstring)."""
 
     QoS = EdgeBatchingQoS
     edge_batch = 32
     jobs_held: Callable[[], int] | None = None
     tier_reserve: TierReserve | None = None
-    # A BRPOP waits on the queues of the tiers with room when it is sent: renewed this often
-    # (kombu: every second), a tier given room since waits little for its next job.
-    brpop_timeout = 0.25
     # Options more than the stock channel reads from `broker_transport_options`.
     from_transport_options = (  # type: ignore[assignment]
         *redis_transport.Channel.from_transport_options,
@@ -269,8 +234,11 @@ class EdgeBatchingChannel(redis_transport.Channel):
         super().__init__(*args, **kwargs)
         if self.tier_reserve is not None:
             self._queue_cycle = _TierGatedCycle(self._queue_cycle, self.tier_reserve)
-        self._take: Any = None
         self._short_client: Any = None
+        self._sent = "BLPOP"
+        """The command whose reply the channel's connection owes: BLPOP (wait) or EVAL (take)."""
+        self._take_next = True
+        """Whether the queues may hold messages now: the next command is a take, not a wait."""
 
     @contextmanager
     def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
@@ -288,41 +256,79 @@ class EdgeBatchingChannel(redis_transport.Channel):
             self._qos.flush_acks()
         super().close()
 
-    def _brpop_read(self, **options: Any) -> bool:
-        delivered: bool = super()._brpop_read(**options)
-        if delivered:
-            self._take_more()
-        return delivered
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        if self.global_keyprefix:  # keys the take script would not prefix: kombu's own BRPOP
+            super()._brpop_start(timeout)
+            return
+        queues: list[str] = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        command = self._take_command(queues) if self._take_next else None
+        if command is None:
+            wait = self.brpop_timeout if timeout is None else timeout
+            command = ["BLPOP", *(keys.queue_wake(queue) for queue in queues), wait or 0]
+        self._sent = str(command[0])
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]  # kombu: None
+        self.client.connection.send_command(*command)
 
-    def _take_more(self) -> None:
+    def _brpop_read(self, **options: Any) -> bool:
+        if self.global_keyprefix:
+            return bool(super()._brpop_read(**options))
+        try:
+            try:
+                reply = self.client.parse_response(self.client.connection, self._sent, **options)
+            except self.connection_errors:
+                # Disconnected, the next poll reconnects. A take whose reply was lost here
+                # left its messages recorded as unacknowledged: the handoff puts them back.
+                self.client.connection.disconnect()
+                raise
+            # After a wait, a token or the wait's end: take now either way, so a message that
+            # came without a token, or a tier given room since, waits no longer than the wait.
+            taken = (reply or []) if self._sent == "EVAL" else self._take_now()
+            self._take_next = bool(taken)
+            if not taken:
+                raise Empty()
+            self._deliver_taken(taken)
+            return True
+        finally:
+            self._in_poll = None  # type: ignore[assignment]  # as kombu's own read does
+            self._flush_brpop_reauth()
+
+    def _take_now(self) -> list[Any]:
+        """Take on the channel's short client, while its own connection is idle."""
+        command = self._take_command(self._queue_cycle.consume(len(self.active_queues)))
+        if command is None:
+            return []
+        with self.conn_or_acquire() as client:
+            return list(client.execute_command(*command) or [])
+
+    def _take_command(self, queues: list[str]) -> list[Any] | None:
+        """The take of up to as many messages as the worker has room for, from `queues` in
+        polling order; None when it has room for none."""
         if self.tier_reserve is not None:
             rooms = self.tier_reserve.left()
             free: int | None = sum(rooms.values())
         else:
             rooms, free = {}, self.qos.can_consume_max_estimate()
-        want = min(self.edge_batch - 1, self.edge_batch if free is None else free)
-        if want <= 0 or self.global_keyprefix:
-            return
-        queues = self._queue_cycle.consume(len(self.active_queues))
-        pairs = [(self._q_for_pri(q, pri), q) for pri in self.priority_steps for q in queues]
-        if not pairs:
-            return
-        # One group per tier, best first (see _TAKE); a list of no known tier has no limit.
-        tiers = [tier for tier in TIERS_BY_PRIORITY if tier in rooms]
-        group_of = {tier: index + 1 for index, tier in enumerate(tiers)}
-        queue_tiers = [keys.tier_of_queue(queue) for _, queue in pairs]
-        groups = [group_of.get(tier, 0) if tier else 0 for tier in queue_tiers]
-        with self.conn_or_acquire() as client:
-            if self._take is None:
-                self._take = client.register_script(_TAKE)
-            taken = self._take(
-                keys=[*(name for name, _ in pairs), self.unacked_key, self.unacked_index_key],
-                args=[want, time.time(), len(tiers), *(rooms[t] for t in tiers), *groups],
-                client=client,
-            )
-        JOBS_TAKEN_IN_BULK.inc(len(taken) // 2)
+        want = self.edge_batch if free is None else min(self.edge_batch, free)
+        if want <= 0 or not queues:
+            return None
+        return take_command(
+            [(self._q_for_pri(q, pri), q) for pri in self.priority_steps for q in queues],
+            (self.unacked_key, self.unacked_index_key),
+            want,
+            rooms,
+        )
+
+    def _deliver_taken(self, taken: list[Any]) -> None:
+        JOBS_TAKEN_IN_BULK.inc(len(taken) // 2 - 1)
+        first = True
         for index in range(0, len(taken), 2):
             queue = bytes_to_str(taken[index]).rsplit(self.sep, 1)[0]
+            if first:
+                self._queue_cycle.rotate(queue)
+                first = False
             payload = loads(bytes_to_str(taken[index + 1]))
             tag = payload.get("properties", {}).get("delivery_tag")
             if tag:
@@ -334,6 +340,10 @@ class EdgeBatchingTransport(redis_transport.Transport):
     """Celery's Redis transport with edge batching; `broker_transport` of the worker's app."""
 
     Channel = EdgeBatchingChannel
+    # A channel's wait covers the queues of the tiers with room when it is sent and ends in a
+    # take: renewed this often (kombu: every second; its channels copy it), a tier given room
+    # since, or a message that came without a token, waits little.
+    brpop_timeout = 0.25  # type: ignore[assignment]  # kombu: an int
     acks_deferred = False
     """Whether acks wait for the end of the event loop's turn (once registered with a loop)."""
 

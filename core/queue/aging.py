@@ -16,12 +16,16 @@ import redis
 
 from core import keys
 from core.queue.routing import WorkerDirectory
+from core.queue.wake import WAKE_LUA
 from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY
 
 # KEYS: a lower tier's queue, the premium queue. ARGV: cutoff (Unix s), how many to scan.
-# Moves messages submitted before the cutoff to the premium queue's consuming end.
-_PROMOTE = """
+# Moves messages submitted before the cutoff to the premium queue's consuming end, and wakes
+# as many waiting workers (`core.queue.wake`).
+_PROMOTE = (
+    WAKE_LUA
+    + """
 local items = redis.call('LRANGE', KEYS[1], -tonumber(ARGV[2]), -1)
 local moved = 0
 for i = 1, #items do
@@ -34,8 +38,10 @@ for i = 1, #items do
     end
   end
 end
+wake(KEYS[2], moved)
 return moved
 """
+)
 
 PROMOTE_SCAN = 256
 """How many of a queue's oldest messages one aging pass looks at."""

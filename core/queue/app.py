@@ -96,7 +96,8 @@ def enqueue_jobs(
 
     `core.celery_compat.RunJobMessages` makes the messages; with task events on (for their
     task-sent events, for Flower) or in the stock mode, Celery sends each itself, batched in one
-    pipeline by kombu.
+    pipeline by kombu, and (but in the stock mode, whose workers wait on the queues themselves)
+    a second round trip wakes waiting workers (`core.queue.wake`).
     """
     targets = [
         (queues[index] if queues else None) or keys.queue_name(tier)
@@ -111,3 +112,5 @@ def enqueue_jobs(
             app.send_task(
                 RUN_JOB_TASK, args=[job_id], queue=queue, producer=producer, headers=extra
             )
+    if app.conf.get("inferq_celery_mode") != "stock":
+        run_job_messages(app, RUN_JOB_TASK).wake(targets)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import redis
 
 from core import keys
+from core.queue.wake import WAKE_LUA
 from core.tiers import TIERS_BY_PRIORITY, Tier
 
 
@@ -50,8 +51,10 @@ def pick_worker(route: str, workers: Sequence[str]) -> str | None:
 # ARGV: the workers set, the stats key's prefix and suffix, the workers' lanes hash, then the
 # tier queues. Every worker that has started but is no longer live hands its own queues'
 # messages over to the shared queues of its lane, oldest at the consuming end. Returns how many
-# were moved.
-_RECLAIM = """
+# were moved, and wakes as many waiting workers (`core.queue.wake`).
+_RECLAIM = (
+    WAKE_LUA
+    + """
 local moved = 0
 for _, name in ipairs(redis.call('SMEMBERS', ARGV[1])) do
   if redis.call('EXISTS', ARGV[2] .. name .. ARGV[3]) == 0 then
@@ -66,13 +69,16 @@ for _, name in ipairs(redis.call('SMEMBERS', ARGV[1])) do
       end
       if #items > 0 then
         redis.call('DEL', own)
+        wake(shared, #items)
         moved = moved + #items
       end
+      unwake(own)
     end
   end
 end
 return moved
 """
+)
 
 # ARGV: the workers set, the workers' lanes hash, the number of lanes, the lanes ('' for the
 # first model's), then per tier: its own queues' base name, then per lane (queue, held count).

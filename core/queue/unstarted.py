@@ -41,6 +41,7 @@ from kombu.transport.redis import Channel
 from core import keys
 from core.jobs import JobStore
 from core.queue.app import RUN_JOB_TASK
+from core.queue.wake import WAKE_LUA
 from core.states import JobStatus
 from core.workernames import lease_holder
 
@@ -52,8 +53,11 @@ UNACKED_INDEX_KEY: str = Channel.unacked_index_key
 # KEYS: the unacked hash, its index and the job's lease. ARGV: the delivery tag, its entry as
 # read, its queue, the message to push and the lease as read ('': none). 0: nothing moved, the
 # entry is gone (acked, or moved by another scheduler); 2: nothing moved, the lease changed (a
-# worker claimed the job since); 1: moved, and the lease of the lost worker deleted.
-_RESTORE = """
+# worker claimed the job since); 1: moved (waking a waiting worker, `core.queue.wake`), and the
+# lease of the lost worker deleted.
+_RESTORE = (
+    WAKE_LUA
+    + """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 local lease = redis.call('GET', KEYS[3])
 if (lease or '') ~= ARGV[5] then return 2 end
@@ -61,8 +65,10 @@ if lease then redis.call('DEL', KEYS[3]) end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('RPUSH', ARGV[3], ARGV[4])
+wake(ARGV[3], 1)
 return 1
 """
+)
 
 
 @dataclass(frozen=True)

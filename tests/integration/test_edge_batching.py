@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 import redis
 from kombu import Connection, Exchange, Queue
 from kombu.asynchronous import Hub
 from prometheus_client.parser import text_string_to_metric_families
 
+from core import keys
+from core.queue.wake import push_wakes
 from core.tiers import Tier
 from tests.support import Stack, redis_server, wait_final, worker_paused
 from workers.edge import EdgeBatchingTransport
+from workers.take import take_command
 
 JOBS = 24
 
@@ -121,3 +127,99 @@ def test_acks_made_in_one_turn_of_the_event_loop_go_to_redis_together(tmp_path: 
         message.ack()
         connection.transport.flush_acks()  # logs the lost ack; the visibility restore has it
         server.start()
+
+
+def _waiting_channel(connection: Connection, queue: Queue, got: list[Any]) -> Any:
+    channel = connection.default_channel
+    channel.basic_qos(0, 8, False)
+    queue(channel).declare()
+    channel.basic_consume(queue.name, no_ack=False, callback=got.append, consumer_tag="t")
+    return channel
+
+
+def test_a_take_whose_reply_is_lost_leaves_its_messages_recorded_as_taken(tmp_path: Path) -> None:
+    """Every message leaves its queue by the take script, which records it as unacknowledged in
+    the same step: a connection lost before the reply leaves it to the handoff, not nowhere."""
+    queue = Queue("lost", Exchange("lost"), routing_key="lost")
+    with (
+        redis_server(tmp_path) as server,
+        Connection(server.url, transport=EdgeBatchingTransport) as connection,
+    ):
+        client = redis.Redis.from_url(server.url)
+        channel = _waiting_channel(connection, queue, [])
+        producer = connection.Producer(channel)
+        for i in range(3):
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key="lost")
+        connection.transport.cycle.on_poll_start()  # sends a take: the channel has room
+        deadline = time.monotonic() + 10
+        while client.llen("lost"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        channel.client.connection.disconnect()  # the reply is lost on the wire
+        assert client.hlen("unacked") == 3
+        assert client.zcard("unacked_index") == 3
+
+
+def test_a_waiting_channel_wakes_on_a_published_job_long_before_its_wait_ends(
+    tmp_path: Path,
+) -> None:
+    """A channel with nothing to take waits on wake-up lists; a job published the way the API
+    publishes (message, then a token) wakes it at once, and the take clears the token."""
+    queue = Queue("inferq.premium", Exchange("inferq.premium"), routing_key="inferq.premium")
+    with (
+        redis_server(tmp_path) as server,
+        Connection(
+            server.url, transport=EdgeBatchingTransport, transport_options={"polling_interval": 60}
+        ) as connection,
+    ):
+        client = redis.Redis.from_url(server.url)
+        got: list[Any] = []
+        channel = _waiting_channel(connection, queue, got)
+        assert channel.brpop_timeout == 60
+        with pytest.raises(TimeoutError):  # an empty take, then a wait
+            connection.drain_events(timeout=1)
+        assert channel._sent == "BLPOP"
+        pipe = client.pipeline(transaction=False)
+        message = channel.prepare_message('{"job": 1}', properties={"delivery_tag": "tag-1"})
+        message["properties"]["delivery_info"] = {"exchange": "", "routing_key": queue.name}
+        pipe.lpush(queue.name, json.dumps(message))
+        push_wakes(pipe, {queue.name: 1})
+        pipe.execute()
+        started = time.monotonic()
+        while not got:
+            connection.drain_events(timeout=10)
+        assert time.monotonic() - started < 10  # the wait was for 60 s
+        assert client.hlen("unacked") == 1
+        assert not client.exists(keys.queue_wake(queue.name))
+
+
+def test_a_take_keeps_the_wake_up_lists_of_the_queues_it_leaves_messages_in(
+    tmp_path: Path,
+) -> None:
+    """The take clears a queue's tokens once it finds the queue empty, never before: a queue
+    that still holds messages keeps waking workers."""
+    premium, basic = "inferq.premium", "inferq.basic"
+    with redis_server(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        pipe = client.pipeline(transaction=False)
+        for queue, count in ((premium, 3), (basic, 40)):
+            for i in range(count):
+                envelope = {"properties": {"delivery_tag": f"{queue}-{i}", "delivery_info": {}}}
+                pipe.lpush(queue, json.dumps(envelope))
+        push_wakes(pipe, {premium: 3, basic: 40})
+        pipe.execute()
+        assert client.llen(keys.queue_wake(basic)) == 16  # at most WAKE_TOKENS
+
+        lists = [(premium, premium), (basic, basic)]
+        taken = client.execute_command(*take_command(lists, ("unacked", "unacked_index"), 10, {}))
+        assert [queue.decode() for queue in taken[::2]] == [premium] * 3 + [basic] * 7
+        assert client.hlen("unacked") == 10
+        assert not client.exists(keys.queue_wake(premium))
+        assert client.llen(keys.queue_wake(basic)) == 16
+
+        taken = client.execute_command(*take_command(lists, ("unacked", "unacked_index"), 99, {}))
+        assert len(taken) == 2 * 33
+        assert not client.exists(keys.queue_wake(basic))
+        assert (
+            client.execute_command(*take_command(lists, ("unacked", "unacked_index"), 9, {})) == []
+        )

@@ -1,13 +1,13 @@
-"""Edge batching: many small jobs, taken one message per BRPOP or in bulk.
+"""Edge batching: many small jobs, taken one message a round trip or in bulk.
 
 In one run, the same workload on two fresh stacks that differ only in `INFERQ_EDGE_BATCH`
-(1: Celery's one message per BRPOP; 32: the default bulk take): `--jobs` small jobs
+(1: one message a take, as Celery takes them; 32: the default): `--jobs` small jobs
 (`--max-tokens` tokens each) submitted in batches of 100 while the worker is busy, so they
 wait. Reported per stack: jobs/s (first submitted → last finished), queue wait p50/p95, and
 Redis commands per job (all of them, from the stack's own redis-server: API, worker and
-scheduler), with BRPOP and bulk takes counted apart, and split into the commands the processes
-send and those their Lua scripts run inside Redis (read from MONITOR: one round trip can run
-many commands in a script, so the two measure different costs).
+scheduler), with the workers' waits (BLPOP) and takes counted apart, and split into the
+commands the processes send and those their Lua scripts run inside Redis (read from MONITOR:
+one round trip can run many commands in a script, so the two measure different costs).
 
 Run: `.venv/bin/python bench/edge_batching.py [--jobs 1000 --max-tokens 1]`.
 """
@@ -40,7 +40,7 @@ from report import (
 from scheduling import _batch, _span_s, _wait
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = (("one per BRPOP", "1"), ("edge batch 32", "32"))
+SETTINGS = (("one per take", "1"), ("edge batch 32", "32"))
 
 
 def _command_calls(client: redis.Redis) -> dict[str, int]:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "redis_commands_per_job": round(total / len(done), 1),
             "sent_per_job": round((total - in_scripts.count) / len(done), 1),
             "run_in_scripts_per_job": round(in_scripts.count / len(done), 1),
-            "brpop_per_job": round(calls.get("brpop", 0) / len(done), 2),
+            "waits_per_job": round(calls.get("blpop", 0) / len(done), 2),
             "lua_script_calls_per_job": round(
                 (calls.get("evalsha", 0) + calls.get("eval", 0)) / len(done), 2
             ),
@@ -175,12 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work_root, ignore_errors=True)
 
     header = f"{'setting':<16}{'jobs/s':>8}{'wait p50':>10}{'wait p95':>10}{'cmds/job':>10}"
-    print(f"\n{header}{'sent':>7}{'in Lua':>8}{'BRPOP/job':>11}")
+    print(f"\n{header}{'sent':>7}{'in Lua':>8}{'waits/job':>11}")
     for label, r in results.items():
         print(
             f"{label:<16}{r['jobs_per_s']:>8}{r['queue_wait_p50_s']:>10}"
             f"{r['queue_wait_p95_s']:>10}{r['redis_commands_per_job']:>10}{r['sent_per_job']:>7}"
-            f"{r['run_in_scripts_per_job']:>8}{r['brpop_per_job']:>11}"
+            f"{r['run_in_scripts_per_job']:>8}{r['waits_per_job']:>11}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     chart = args.out / "edge_batching.png"

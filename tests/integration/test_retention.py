@@ -29,9 +29,9 @@ KOMBU_LONG_LIVED = re.compile(r"^(_kombu\.binding[._].*|unacked|unacked_index)$"
 def _long_lived_keys(stack: Stack) -> tuple[set[str], tuple[str, ...]]:
     """Keys that may live without a TTL (exact names, name prefixes), all from core/keys.py.
 
-    The tier queues (shared and each worker's own), the fair-share state (held lists, owners,
-    counters, dispatching lists), the worker registry and the scheduler's data mark: shared
-    state, not per job.
+    The tier queues (shared and each worker's own) and their wake-up lists, the fair-share state
+    (held lists, owners, counters, dispatching lists), the worker registry and the scheduler's
+    data mark: shared state, not per job.
     """
     workers = {m.decode() for m in stack.redis.smembers(keys.WORKERS_SET)} | {stack.worker_name}
     exact = {keys.WORKERS_SET, keys.DATA_MARK}
@@ -45,6 +45,8 @@ def _long_lived_keys(stack: Stack) -> tuple[set[str], tuple[str, ...]]:
             keys.dispatching(tier),
         }
         exact |= {keys.worker_queue_name(tier, worker) for worker in workers}
+        queues = {keys.queue_name(tier)} | {keys.worker_queue_name(tier, w) for w in workers}
+        exact |= {keys.queue_wake(queue) for queue in queues}  # a queue's tokens, at most 16
         prefixes.append(keys.held_list(tier, ""))  # one list per owner with held jobs
     return exact, tuple(prefixes)
 

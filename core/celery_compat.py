@@ -3,8 +3,8 @@
 inferq's worker runs jobs faster and keeps tier order by adapting Celery in three places, each
 of which leans on names that Celery and kombu do not promise to keep:
 
-- `workers.edge`: kombu's Redis transport, subclassed for bulk takes, per-tier room and
-  deferred acks;
+- `workers.edge`: kombu's Redis transport, subclassed for takes by one script (no BRPOP),
+  waits on wake-up lists, per-tier room and deferred acks;
 - `workers.tasks`: a task strategy that hands each message to the job runner, with Celery's
   worker state kept up to date by hand for its remote control;
 - `RunJobMessages` (below): `run_job` messages built as kombu's Redis transport stores them.
@@ -82,6 +82,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(f"{_REDIS}:Channel", "_in_poll", _EDGE),
     PrivateName(f"{_REDIS}:Channel", "_brpop_sent_at", _EDGE),
     PrivateName(f"{_REDIS}:Channel", "_flush_brpop_reauth", _EDGE),
+    PrivateName(f"{_REDIS}:Channel", "_poll_error", _EDGE),
     PrivateName(f"{_REDIS}:Channel", "_q_for_pri", _EDGE),
     PrivateName(f"{_REDIS}:Channel", "_create_client", _EDGE),
     PrivateName(f"{_REDIS}:Channel", "from_transport_options", _EDGE),

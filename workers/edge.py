@@ -45,7 +45,8 @@ wake-up lists alone, and the take stops at each tier's room. The reserve counts 
 transport delivers, by the tier of the queue it was sent to, until it is acknowledged.
 
 Only the worker uses this transport; everything else publishes through the stock one, and the
-messages are the same.
+messages are the same. Under kombu's `global_keyprefix`, which inferq does not set, the channel
+waits and takes by kombu's own BRPOP, as the take script does not prefix its keys.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from queue import Empty
 from typing import Any
 
@@ -294,6 +295,15 @@ class EdgeBatchingChannel(redis_transport.Channel):
         finally:
             self._in_poll = None  # type: ignore[assignment]  # as kombu's own read does
             self._flush_brpop_reauth()
+
+    def _poll_error(self, type: str, **options: Any) -> None:
+        # kombu reads the pending reply as a BRPOP's and drops it: read it as what was sent, so
+        # a take's messages are delivered rather than left to the handoff.
+        if type != "BRPOP" or self.global_keyprefix or not self._in_poll:
+            super()._poll_error(type, **options)
+            return
+        with suppress(Empty):
+            self._brpop_read(**options)
 
     def _take_now(self) -> list[Any]:
         """Take on the channel's short client, while its own connection is idle."""

@@ -30,7 +30,9 @@ WAKE_LUA = f"""
 local function wake(queue, n)
   if n <= 0 then return end
   local key = '{_WAKE_PREFIX}' .. queue
-  for _ = 1, math.min(n, {WAKE_TOKENS}) do redis.call('LPUSH', key, '1') end
+  local tokens = {{}}
+  for i = 1, math.min(n, {WAKE_TOKENS}) do tokens[i] = '1' end
+  redis.call('LPUSH', key, unpack(tokens))
   redis.call('LTRIM', key, 0, {WAKE_TOKENS - 1})
 end
 local function unwake(queue)

@@ -223,3 +223,22 @@ def test_a_take_keeps_the_wake_up_lists_of_the_queues_it_leaves_messages_in(
         assert (
             client.execute_command(*take_command(lists, ("unacked", "unacked_index"), 9, {})) == []
         )
+
+
+def test_a_take_read_after_an_error_event_delivers_its_messages(tmp_path: Path) -> None:
+    """kombu reads the pending reply of a socket that reports an error as a BRPOP's and drops
+    it; the channel reads it as the take it sent, so the messages reach the worker."""
+    queue = Queue("errored", Exchange("errored"), routing_key="errored")
+    with (
+        redis_server(tmp_path) as server,
+        Connection(server.url, transport=EdgeBatchingTransport) as connection,
+    ):
+        got: list[Any] = []
+        channel = _waiting_channel(connection, queue, got)
+        producer = connection.Producer(channel)
+        for i in range(3):
+            producer.publish({"i": i}, exchange=queue.exchange, routing_key="errored")
+        connection.transport.cycle.on_poll_start()  # sends a take
+        channel._poll_error("BRPOP")
+        assert len(got) == 3
+        assert channel._in_poll is None

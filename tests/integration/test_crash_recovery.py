@@ -23,7 +23,7 @@ import pytest
 from core import keys
 from core.events import parse_events
 from core.events import streamed_text as fold_stream
-from core.queue.unstarted import UNACKED_KEY
+from core.queue.unstarted import UNACKED_KEY, read_entry
 from core.tiers import Tier
 from core.workerinfo import live_workers
 from core.workernames import lease_token
@@ -97,6 +97,19 @@ def _started_on_victim(stack: Stack, jobs: list[dict[str, Any]]) -> list[str]:
     return [job_id for job_id, (_, worker, _) in rows.items() if worker == VICTIM]
 
 
+def _all_taken(stack: Stack, jobs: list[dict[str, Any]]) -> bool:
+    """Every job has started or is recorded as taken by a worker: none is on its way to one.
+
+    Celery's own transport (the stock mode) pops a message a round trip before it records it,
+    and a worker killed in between loses it (docs/architecture.md); inferq's take records it in
+    the same step, so inferq's worker is killed without this wait.
+    """
+    entries = stack.redis.hgetall(UNACKED_KEY).items()
+    held = {message.job_id for tag, entry in entries if (message := read_entry(tag, entry))}
+    rows = _workers_of(stack, [job["id"] for job in jobs])
+    return all(status != "queued" or job_id in held for job_id, (status, _, _) in rows.items())
+
+
 def _run_on_victim(
     stack: Stack, key: str, label: str, tokens: int, *, every: bool
 ) -> list[dict[str, Any]]:
@@ -137,6 +150,13 @@ def test_sigkill_mid_generation_loses_and_duplicates_nothing(stack: Stack, victi
                 break
             with survivor_paused(stack):
                 jobs = _run_on_victim(stack, key, f"Trial {trial}", TOKENS, every=False)
+                if stack.local.settings.celery_mode == "stock":
+                    deadline = time.monotonic() + 60
+                    while not _all_taken(stack, jobs):
+                        assert time.monotonic() < deadline, _workers_of(
+                            stack, [j["id"] for j in jobs]
+                        )
+                        time.sleep(0.02)
                 # Frozen the moment it has started any: waiting for all of them to start, a stall
                 # of the host once let every job end before the kill.
                 with victim.frozen():

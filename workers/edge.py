@@ -333,12 +333,9 @@ class EdgeBatchingChannel(redis_transport.Channel):
 
     def _deliver_taken(self, taken: list[Any]) -> None:
         JOBS_TAKEN_IN_BULK.inc(len(taken) // 2 - 1)
-        first = True
+        self._queue_cycle.rotate(bytes_to_str(taken[0]).rsplit(self.sep, 1)[0])
         for index in range(0, len(taken), 2):
             queue = bytes_to_str(taken[index]).rsplit(self.sep, 1)[0]
-            if first:
-                self._queue_cycle.rotate(queue)
-                first = False
             payload = loads(bytes_to_str(taken[index + 1]))
             tag = payload.get("properties", {}).get("delivery_tag")
             if tag:

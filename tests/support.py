@@ -388,9 +388,17 @@ class ExtraWorker:
     @contextmanager
     def frozen(self) -> Iterator[None]:
         """The worker and its engine stopped (SIGSTOP) for the block, then continued; a kill
-        inside the block ends it frozen."""
+        inside the block ends it frozen.
+
+        The block starts once every process of the group has stopped and what they had sent
+        before has landed: SIGSTOP is delivered asynchronously, and a commit already on its way
+        to the database becomes visible a moment later (a job read as queued after the freeze
+        once turned out to have started on the frozen worker).
+        """
         assert self.process is not None
         os.killpg(self.process.pid, signal.SIGSTOP)
+        _wait_stopped(self.process.pid)
+        time.sleep(FREEZE_SETTLE_S)
         try:
             yield
         finally:
@@ -405,6 +413,27 @@ class ExtraWorker:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+
+
+FREEZE_SETTLE_S = 0.5  # for the writes a frozen worker had sent to reach Redis and the database
+
+
+def _wait_stopped(pgid: int, timeout_s: float = 10) -> None:
+    """Until every process of the group is stopped (state T in /proc) or gone."""
+    deadline = time.monotonic() + timeout_s
+    while running := [pid for pid, state in _group_states(pgid) if state not in "TtZX"]:
+        assert time.monotonic() < deadline, f"processes {running} of group {pgid} did not stop"
+        time.sleep(0.01)
+
+
+def _group_states(pgid: int) -> Iterator[tuple[int, str]]:
+    """(pid, state) of each process in the process group, read from /proc."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with suppress(OSError):
+            # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                yield int(stat.parent.name), fields[0]
 
 
 @contextmanager

@@ -21,7 +21,7 @@ cannot do by itself are done here:
 The dispatcher polls for room only while jobs are held; otherwise it blocks on a wake list
 that holding a job pushes to, so an idle system costs Redis almost nothing.
 
-Every move is one Lua script, and a job taken from a held list is parked in
+Every move is one Lua script, and a job taken from a held list is parked in the set
 `inferq:dispatching:{tier}` until its message is sent, so a dispatcher that dies mid-move leaves
 the job to be sent by the next one (a duplicate message is harmless: workers skip a job that is
 claimed or final).
@@ -49,40 +49,56 @@ from core.tiers import TIERS_BY_PRIORITY, Tier
 log = logging.getLogger(__name__)
 
 # Room in a tier's queue: its backlog less the messages in it and those on their way to it
-# (counted in `sending` until sent; the count lapses by itself if a sender dies).
-_ROOM = """
+# (counted in `sending` until sent, or parked in `dispatching`; the count lapses by itself if a
+# sender dies). `push_all` adds many values to a list or set in calls of at most 1,000 (Lua's
+# `unpack` has a limit): a group of jobs costs Redis a command per owner, not one per job.
+_COMMON = """
 local function room(backlog)
-  return backlog - redis.call('LLEN', KEYS[1]) - redis.call('LLEN', KEYS[5])
+  return backlog - redis.call('LLEN', KEYS[1]) - redis.call('SCARD', KEYS[5])
     - tonumber(redis.call('GET', KEYS[6]) or '0')
+end
+local function push_all(command, key, values)
+  for i = 1, #values, 1000 do
+    redis.call(command, key, unpack(values, i, math.min(i + 999, #values)))
+  end
 end
 """
 
-# KEYS: queue, held count, owners zset, round counter, dispatching list, sending count, wake
+# KEYS: queue, held count, owners zset, round counter, dispatching set, sending count, wake
 # list. ARGV: backlog, held-list prefix, then (owner, entry) pairs. Returns the entries to send
-# now (counted as sending); the rest are held, and a token on the wake list wakes a dispatcher.
+# now (counted as sending); the rest are held, in order, and a token on the wake list wakes a
+# dispatcher.
 _HOLD_OR_SEND = (
-    _ROOM
+    _COMMON
     + """
 local room = room(tonumber(ARGV[1]))
 local held = tonumber(redis.call('GET', KEYS[2]) or '0')
-local round = tonumber(redis.call('GET', KEYS[4]) or '0')
-local send = {}
+local send, owners, by_owner = {}, {}, {}
 for i = 3, #ARGV, 2 do
   if held == 0 and room > 0 then
     table.insert(send, ARGV[i + 1])
     room = room - 1
   else
-    redis.call('RPUSH', ARGV[2] .. ARGV[i], ARGV[i + 1])
-    redis.call('ZADD', KEYS[3], 'NX', round, ARGV[i])
+    local owner = ARGV[i]
+    if not by_owner[owner] then
+      by_owner[owner] = {}
+      table.insert(owners, owner)
+    end
+    table.insert(by_owner[owner], ARGV[i + 1])
     held = held + 1
   end
 end
-if held > 0 then
+if #owners > 0 then
+  local round = tonumber(redis.call('GET', KEYS[4]) or '0')
+  for _, owner in ipairs(owners) do
+    push_all('RPUSH', ARGV[2] .. owner, by_owner[owner])
+    redis.call('ZADD', KEYS[3], 'NX', round, owner)
+  end
+  redis.call('SET', KEYS[2], held)
   redis.call('LPUSH', KEYS[7], '1')
   redis.call('LTRIM', KEYS[7], 0, 0)
   redis.call('EXPIRE', KEYS[7], 60)
 end
-redis.call('SET', KEYS[2], held)
 if #send > 0 then
   redis.call('INCRBY', KEYS[6], #send)
   redis.call('EXPIRE', KEYS[6], 30)
@@ -92,29 +108,32 @@ return send
 )
 
 # KEYS: as above. ARGV: backlog, held-list prefix.
-# Takes held entries round-robin across owners until the queue is full; parks them.
+# Takes held entries round-robin across owners until the queue is full, each owner's turn an
+# equal share of the room it found (at least one entry); parks them in the dispatching set.
 _TAKE_HELD = (
-    _ROOM
+    _COMMON
     + """
 local room = room(tonumber(ARGV[1]))
 local taken = {}
+if room <= 0 then return taken end
+local share = math.max(1, math.floor(room / math.max(1, redis.call('ZCARD', KEYS[3]))))
 while room > 0 do
   local first = redis.call('ZRANGE', KEYS[3], 0, 0)
   if #first == 0 then break end
   local owner = first[1]
   local list = ARGV[2] .. owner
-  local entry = redis.call('LPOP', list)
+  local entries = redis.call('LPOP', list, math.min(share, room)) or {}
   if redis.call('LLEN', list) == 0 then
     redis.call('ZREM', KEYS[3], owner)
   else
     redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), owner)
   end
-  if entry then
-    redis.call('DECR', KEYS[2])
-    redis.call('RPUSH', KEYS[5], entry)
-    table.insert(taken, entry)
-    room = room - 1
-  end
+  for _, entry in ipairs(entries) do table.insert(taken, entry) end
+  room = room - #entries
+end
+if #taken > 0 then
+  redis.call('DECRBY', KEYS[2], #taken)
+  push_all('SADD', KEYS[5], taken)
 end
 return taken
 """
@@ -262,10 +281,8 @@ class Dispatcher:
             taken = self._take(keys=self._keys(tier, lane), args=args)
             if taken:
                 self._send([_parse(entry, tier, lane) for entry in taken])
-                pipe = self.redis.pipeline(transaction=False)
-                for entry in taken:
-                    pipe.lrem(parked, 1, entry)
-                pipe.execute()
+                for start in range(0, len(taken), 1000):
+                    self.redis.srem(parked, *taken[start : start + 1000])
                 sent += len(taken)
         return sent
 
@@ -274,7 +291,9 @@ class Dispatcher:
         resent = 0
         for tier, lane in self._queues():
             parked = keys.dispatching(tier, lane)
-            entries = self.redis.lrange(parked, 0, -1)
+            # A list: parked by a dispatcher from before the set (one entry a command).
+            legacy = self.redis.type(parked) in (b"list", "list")
+            entries = self.redis.lrange(parked, 0, -1) if legacy else self.redis.smembers(parked)
             if entries:
                 self._send([_parse(entry, tier, lane) for entry in entries])
                 self.redis.delete(parked)

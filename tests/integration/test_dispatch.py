@@ -171,3 +171,64 @@ def test_cancelled_held_jobs_leave_their_lists_and_the_others_keep_their_turn(
             sent += [json.loads(message)["headers"]["argsrepr"] for message in messages]
             client.delete(keys.queue_name(Tier.BASIC))
         assert sent == ["['a2']", "['a4']"]
+
+
+def test_held_jobs_are_released_in_equal_shares_of_the_room_a_few_commands_a_share(
+    tmp_path: Path,
+) -> None:
+    """A flood of one owner's jobs costs Redis a command per share of the room, not one per job
+    (the scheduler's refill once made about ten a job), and owners still take turns."""
+    with redis_server(tmp_path) as server:
+        settings = Settings(redis_url=server.url, data_dir=tmp_path, dispatch_backlog=10)
+        client = redis.Redis.from_url(server.url)
+        dispatcher = Dispatcher(settings, client, make_celery_app(settings))
+        basic = Tier.BASIC.value
+        queue = keys.queue_name(Tier.BASIC)
+        calls = _command_calls(client)
+        dispatcher.submit([QueuedJob(f"a{i}", basic, "alice") for i in range(30)])
+        dispatcher.submit([QueuedJob(f"b{i}", basic, "bob") for i in range(10)])
+        held = _command_calls(client)
+        assert dispatcher.held()[basic] == 30  # a0 to a9 went straight onto the queue
+        assert held["rpush"] - calls.get("rpush", 0) == 2  # one per owner, not one per job
+        rounds = []
+        for _ in range(3):
+            client.delete(queue)  # a worker took every message
+            before = _command_calls(client)
+            assert dispatcher.release() == 10
+            after = _command_calls(client)
+            rounds.append(_sent_ids(client, queue))
+            assert after["lpop"] - before.get("lpop", 0) <= 3, "a command per share"
+            assert after.get("lrem", 0) == before.get("lrem", 0)
+        # Five each while both wait; then alice alone.
+        assert rounds[0] == [f"a{i}" for i in range(10, 15)] + [f"b{i}" for i in range(5)]
+        assert rounds[1] == [f"a{i}" for i in range(15, 20)] + [f"b{i}" for i in range(5, 10)]
+        assert rounds[2] == [f"a{i}" for i in range(20, 30)]
+        assert dispatcher.held()[basic] == 0
+        assert client.scard(keys.dispatching(basic)) == 0  # every sent job unparked
+        assert client.zcard(keys.held_owners(basic)) == 0
+
+
+def test_a_dispatcher_sends_what_an_earlier_one_parked_in_a_list(tmp_path: Path) -> None:
+    """Parked jobs were kept in a list before the set: a new dispatcher sends them at start."""
+    with redis_server(tmp_path) as server:
+        settings = Settings(redis_url=server.url, data_dir=tmp_path)
+        client = redis.Redis.from_url(server.url)
+        dispatcher = Dispatcher(settings, client, make_celery_app(settings))
+        basic = Tier.BASIC.value
+        client.rpush(
+            keys.dispatching(basic), *(QueuedJob(f"p{i}", basic, "o").entry() for i in range(3))
+        )
+        assert dispatcher.recover() == 3
+        assert sorted(_sent_ids(client, keys.queue_name(Tier.BASIC))) == ["p0", "p1", "p2"]
+        assert not client.exists(keys.dispatching(basic))
+
+
+def _command_calls(client: redis.Redis) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+def _sent_ids(client: redis.Redis, queue: str) -> list[str]:
+    """The job ids of a queue's messages, oldest first."""
+    messages = reversed(client.lrange(queue, 0, -1))
+    return [json.loads(message)["headers"]["argsrepr"][2:-2] for message in messages]

@@ -113,7 +113,7 @@ class FinalEvents:
             try:
                 pipe = self._redis.pipeline(transaction=False)
                 for job_id in job_ids:
-                    pipe.exists(keys.job_final_stream(job_id))
+                    pipe.exists(keys.job_final_event(job_id))
                 found = await pipe.execute() if job_ids else []
             except Exception as exc:  # every caller of this round hears it
                 done.set_exception(exc)

@@ -13,7 +13,7 @@ Each event is a JSON object with `seq` (1, 2, ...), `job_id` and `type`:
   and `error_code`; nothing follows it.
 
 The stream entry of event `seq` has the id `0-<seq>`, so "everything after event N" is an XREAD
-from `0-N`. A final event is also stored in a stream of the job's own (whether it exists says
+from `0-N`. A final event is also stored in a key of the job's own (whether it exists says
 whether the job has ended) and its job id published on `keys.FINAL_EVENTS_CHANNEL`, which is
 what waits for a job's end listen to (see `api.final_events`). Publishing a final event also
 takes the job off its key's concurrent-jobs set (see `core.quotas`), whichever process ends
@@ -34,24 +34,28 @@ from core import keys
 # Numbering, storing and publishing happen in one script so that two publishers (the API
 # cancelling a queued job, a worker finishing it) can never give out the same number. One call
 # publishes any number of events: KEYS holds 4 keys per event, ARGV the TTL and then 3 values per
-# event. A worker publishes a whole engine step's deltas in one call, not one call per job.
+# event (body, kind, job id). A worker publishes a whole engine step's deltas in one call, not
+# one call per job.
+#
+# The stream's TTL is restarted by every event but a delta (kind 'd'), unless the delta is the
+# first: deltas come only while a run goes on, and the `running` event that began it restarted
+# the TTL (`job_key_ttl_s`, a day by default, far past any tier's limit on a job's time).
 _PUBLISH_SCRIPT = """
 local ttl = ARGV[1]
 for i = 0, #KEYS / 4 - 1 do
   local stream, channel, quota, final = KEYS[4*i+1], KEYS[4*i+2], KEYS[4*i+3], KEYS[4*i+4]
-  local body, is_final, job_id = ARGV[3*i+2], ARGV[3*i+3], ARGV[3*i+4]
+  local body, kind, job_id = ARGV[3*i+2], ARGV[3*i+3], ARGV[3*i+4]
   local seq = redis.call('XLEN', stream) + 1
   local payload = '{"seq":' .. seq .. ',' .. string.sub(body, 2)
   redis.call('XADD', stream, '0-' .. seq, 'e', payload)
-  redis.call('EXPIRE', stream, ttl)
+  if kind ~= 'd' or seq == 1 then redis.call('EXPIRE', stream, ttl) end
   redis.call('PUBLISH', channel, payload)
-  if is_final == '1' then
+  if kind == 'f' then
     -- a final event: it wakes the waits for the job's end, which listen to one channel for
-    -- every job's id so that deltas do not wake them, and check the job's final stream to see
+    -- every job's id so that deltas do not wake them, and check the job's final key to see
     -- whether it ended before they began; the job no longer counts against its key's
     -- concurrent jobs
-    redis.call('XADD', final, '*', 'e', payload)
-    redis.call('EXPIRE', final, ttl)
+    redis.call('SET', final, payload, 'EX', ttl)
     redis.call('PUBLISH', FINAL_EVENTS_CHANNEL, job_id)
     local active = redis.call('GET', quota)
     if active then
@@ -85,10 +89,10 @@ def _script_call(events: Sequence[Event], ttl_s: int) -> tuple[list[str], list[A
             keys.job_event_stream(job_id),
             keys.job_events_channel(job_id),
             keys.job_quota_set(job_id),
-            keys.job_final_stream(job_id),
+            keys.job_final_event(job_id),
         ]
-        final = "1" if event_type in FINAL_EVENT_TYPES else "0"
-        args += [encode_event(job_id, event_type, **fields), final, job_id]
+        kind = "f" if event_type in FINAL_EVENT_TYPES else "d" if event_type == "delta" else "s"
+        args += [encode_event(job_id, event_type, **fields), kind, job_id]
     return script_keys, args
 
 

@@ -55,8 +55,8 @@ def job_event_stream(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:stream"
 
 
-def job_final_stream(job_id: str) -> str:
-    """Redis stream holding only a job's final event: what long polls block on."""
+def job_final_event(job_id: str) -> str:
+    """A job's final event, set when it ends: whether a wait for its end may stop at once."""
     return f"{PREFIX}:job:{job_id}:final"
 
 

@@ -1,7 +1,7 @@
 """Publishing many jobs' events in one script call: each job's stream is as if published alone.
 
 A worker publishes a whole engine step's deltas, and a batch's final events, in one call; this
-checks on a real Redis that numbering, the live channel, the final stream and the quota set
+checks on a real Redis that numbering, the live channel, the final event's key and the quota set
 come out per job exactly as one call per event would leave them.
 """
 
@@ -62,9 +62,10 @@ def test_one_call_numbers_and_publishes_each_jobs_events_in_order(tmp_path: Path
             ("job_a", 3),
             ("job_a", 4),
         ]
-        # Only job_a's final event reached its final stream and left its key's quota set.
-        assert client.xlen(keys.job_final_stream("job_a")) == 1
-        assert not client.exists(keys.job_final_stream("job_b"))
+        # Only job_a's final event reached its final key and left its key's quota set.
+        assert json.loads(client.get(keys.job_final_event("job_a")) or "")["seq"] == 4
+        assert 0 < client.ttl(keys.job_final_event("job_a")) <= 60
+        assert not client.exists(keys.job_final_event("job_b"))
         assert client.zrange("quota:key1", 0, -1) == [b"job_other"]
         assert not client.exists(keys.job_quota_set("job_a"))
         assert 0 < client.ttl(keys.job_event_stream("job_b")) <= 60
@@ -84,3 +85,25 @@ def test_more_events_than_one_call_takes_are_split_in_order(tmp_path: Path) -> N
         events = _events(client, "job_long")
         assert [e["seq"] for e in events] == list(range(1, count + 1))
         assert [e["text"] for e in events] == [str(i) for i in range(count)]
+
+
+def test_a_streams_ttl_is_set_by_its_first_event_and_restarted_by_all_but_deltas(
+    tmp_path: Path,
+) -> None:
+    """Deltas come only during a run, whose `running` event restarted the TTL: they cost no
+    EXPIRE, and a stream that begins with one still gets its TTL."""
+    with redis_server(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        publisher = EventPublisher(client, ttl_s=60)
+        stream = keys.job_event_stream("job_a")
+        publisher.publish("job_a", "delta", attempt=1, text="a", tokens=1)
+        assert 0 < client.ttl(stream) <= 60
+        client.expire(stream, 30)
+        publisher.publish_many([("job_a", "delta", {"attempt": 1, "text": "b", "tokens": 1})] * 5)
+        assert client.ttl(stream) <= 30
+        publisher.publish("job_a", "status", status="running", attempt=2)
+        assert client.ttl(stream) > 30
+        client.expire(stream, 30)
+        publisher.publish("job_a", "done", status="succeeded")
+        assert client.ttl(stream) > 30
+        assert [e["seq"] for e in _events(client, "job_a")] == list(range(1, 9))

@@ -225,6 +225,44 @@ def test_a_take_keeps_the_wake_up_lists_of_the_queues_it_leaves_messages_in(
         )
 
 
+def test_a_take_pops_each_queue_oldest_first_within_the_tiers_rooms_in_a_few_commands(
+    tmp_path: Path,
+) -> None:
+    """One RPOP per queue, one HSET and one ZADD for the whole take: taking 32 messages once
+    cost Redis three commands a message. A lower tier's room counts what the tiers above took."""
+    queues = {Tier.PREMIUM: 3, Tier.STANDARD: 5, Tier.BASIC: 40}
+    with redis_server(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        pipe = client.pipeline(transaction=False)
+        for tier, count in queues.items():
+            for i in range(count):
+                info = {"exchange": "", "routing_key": keys.queue_name(tier)}
+                envelope = {"properties": {"delivery_tag": f"{tier}-{i}", "delivery_info": info}}
+                pipe.lpush(keys.queue_name(tier), json.dumps(envelope))
+        pipe.execute()
+        lists = [(keys.queue_name(tier), keys.queue_name(tier)) for tier in queues]
+        rooms = {Tier.PREMIUM: 32, Tier.STANDARD: 6, Tier.BASIC: 7}
+        before = _command_calls(client)
+        taken = client.execute_command(
+            *take_command(lists, ("unacked", "unacked_index"), 32, rooms)
+        )
+        calls = {name: n - before.get(name, 0) for name, n in _command_calls(client).items()}
+        tags = [json.loads(item)["properties"]["delivery_tag"] for item in taken[1::2]]
+        premium, standard = ["premium-0", "premium-1", "premium-2"], ["standard-0", "standard-1"]
+        assert tags == [*premium, *standard, "standard-2", "basic-0"]
+        assert sorted(k.decode() for k in client.hkeys("unacked")) == sorted(tags)
+        message, exchange, routing_key = json.loads(client.hget("unacked", "basic-0") or "")
+        assert (exchange, routing_key) == ("", keys.queue_name(Tier.BASIC))
+        assert message["properties"]["delivery_tag"] == "basic-0"
+        assert client.zcard("unacked_index") == len(tags)
+        assert (calls["rpop"], calls["hset"], calls["zadd"]) == (3, 1, 1)
+
+
+def _command_calls(client: redis.Redis) -> dict[str, int]:
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
 def test_a_take_read_after_an_error_event_delivers_its_messages(tmp_path: Path) -> None:
     """kombu reads the pending reply of a socket that reports an error as a BRPOP's and drops
     it; the channel reads it as the take it sent, so the messages reach the worker."""

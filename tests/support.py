@@ -415,6 +415,12 @@ class ExtraWorker:
                 self.process.wait()
 
 
+def command_calls(client: redis.Redis) -> dict[str, int]:
+    """How many times a Redis has run each command (its commandstats, scripts' commands too)."""
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
 FREEZE_SETTLE_S = 0.5  # for the writes a frozen worker had sent to reach Redis and the database
 
 

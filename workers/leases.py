@@ -18,27 +18,46 @@ from core import keys
 
 # KEYS: n lease keys, then the same n jobs' cancel flags. ARGV: the lease in ms, then n tokens.
 # Per job: 0 if another worker holds it, 1 if claimed here, 2 if claimed and a cancel was asked.
+# A SET per job (each with its own expiry), and the claimed jobs' cancel flags in one MGET.
 _CLAIM_SCRIPT = """
 local n = #KEYS / 2
-local answers = {}
+local answers, flags = {}, {}
 for i = 1, n do
   if redis.call('SET', KEYS[i], ARGV[i + 1], 'NX', 'PX', ARGV[1]) then
-    answers[i] = 1 + redis.call('EXISTS', KEYS[n + i])
+    answers[i] = 1
+    table.insert(flags, i)
   else
     answers[i] = 0
+  end
+end
+for first = 1, #flags, 1000 do
+  local last = math.min(first + 999, #flags)
+  local names = {}
+  for j = first, last do table.insert(names, KEYS[n + flags[j]]) end
+  local values = redis.call('MGET', unpack(names))
+  for j = first, last do
+    if values[j - first + 1] then answers[flags[j]] = 2 end
   end
 end
 return answers
 """
 
 # Delete each lease only if it is still ours (KEYS[i] holds ARGV[i]): a lapsed lease may already
-# belong to another worker. Returns how many were deleted.
+# belong to another worker. One MGET and one DEL for the whole batch. Returns how many were
+# deleted.
 _RELEASE_SCRIPT = """
 local released = 0
-for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[i] then
-    released = released + redis.call('DEL', KEYS[i])
+for first = 1, #KEYS, 1000 do
+  local last = math.min(first + 999, #KEYS)
+  local held = redis.call('MGET', unpack(KEYS, first, last))
+  local ours, seen = {}, {}
+  for i = first, last do
+    if held[i - first + 1] == ARGV[i] and not seen[KEYS[i]] then
+      seen[KEYS[i]] = true
+      table.insert(ours, KEYS[i])
+    end
   end
+  if #ours > 0 then released = released + redis.call('DEL', unpack(ours)) end
 end
 return released
 """

@@ -21,7 +21,7 @@ from core.queue.dispatch import Dispatcher, QueuedJob
 from core.queue.held import drop_held
 from core.settings import Settings
 from core.tiers import Tier
-from tests.support import redis_server
+from tests.support import command_calls, redis_server
 
 
 @contextmanager
@@ -184,18 +184,18 @@ def test_held_jobs_are_released_in_equal_shares_of_the_room_a_few_commands_a_sha
         dispatcher = Dispatcher(settings, client, make_celery_app(settings))
         basic = Tier.BASIC.value
         queue = keys.queue_name(Tier.BASIC)
-        calls = _command_calls(client)
+        calls = command_calls(client)
         dispatcher.submit([QueuedJob(f"a{i}", basic, "alice") for i in range(30)])
         dispatcher.submit([QueuedJob(f"b{i}", basic, "bob") for i in range(10)])
-        held = _command_calls(client)
+        held = command_calls(client)
         assert dispatcher.held()[basic] == 30  # a0 to a9 went straight onto the queue
         assert held["rpush"] - calls.get("rpush", 0) == 2  # one per owner, not one per job
         rounds = []
         for _ in range(3):
             client.delete(queue)  # a worker took every message
-            before = _command_calls(client)
+            before = command_calls(client)
             assert dispatcher.release() == 10
-            after = _command_calls(client)
+            after = command_calls(client)
             rounds.append(_sent_ids(client, queue))
             assert after["lpop"] - before.get("lpop", 0) <= 3, "a command per share"
             assert after.get("lrem", 0) == before.get("lrem", 0)
@@ -221,11 +221,6 @@ def test_a_dispatcher_sends_what_an_earlier_one_parked_in_a_list(tmp_path: Path)
         assert dispatcher.recover() == 3
         assert sorted(_sent_ids(client, keys.queue_name(Tier.BASIC))) == ["p0", "p1", "p2"]
         assert not client.exists(keys.dispatching(basic))
-
-
-def _command_calls(client: redis.Redis) -> dict[str, int]:
-    stats = client.info("commandstats")
-    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
 
 
 def _sent_ids(client: redis.Redis, queue: str) -> list[str]:

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from core import keys
 from core.queue.wake import push_wakes
 from core.tiers import Tier
-from tests.support import Stack, redis_server, wait_final, worker_paused
+from tests.support import Stack, command_calls, redis_server, wait_final, worker_paused
 from workers.edge import EdgeBatchingTransport
 from workers.take import take_command
 
@@ -242,11 +242,11 @@ def test_a_take_pops_each_queue_oldest_first_within_the_tiers_rooms_in_a_few_com
         pipe.execute()
         lists = [(keys.queue_name(tier), keys.queue_name(tier)) for tier in queues]
         rooms = {Tier.PREMIUM: 32, Tier.STANDARD: 6, Tier.BASIC: 7}
-        before = _command_calls(client)
+        before = command_calls(client)
         taken = client.execute_command(
             *take_command(lists, ("unacked", "unacked_index"), 32, rooms)
         )
-        calls = {name: n - before.get(name, 0) for name, n in _command_calls(client).items()}
+        calls = {name: n - before.get(name, 0) for name, n in command_calls(client).items()}
         tags = [json.loads(item)["properties"]["delivery_tag"] for item in taken[1::2]]
         premium, standard = ["premium-0", "premium-1", "premium-2"], ["standard-0", "standard-1"]
         assert tags == [*premium, *standard, "standard-2", "basic-0"]
@@ -256,11 +256,6 @@ def test_a_take_pops_each_queue_oldest_first_within_the_tiers_rooms_in_a_few_com
         assert message["properties"]["delivery_tag"] == "basic-0"
         assert client.zcard("unacked_index") == len(tags)
         assert (calls["rpop"], calls["hset"], calls["zadd"]) == (3, 1, 1)
-
-
-def _command_calls(client: redis.Redis) -> dict[str, int]:
-    stats = client.info("commandstats")
-    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
 
 
 def test_a_take_read_after_an_error_event_delivers_its_messages(tmp_path: Path) -> None:

@@ -4,10 +4,12 @@ had been claimed, renewed or released alone."""
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import redis
 
 from core import keys
+from tests.support import command_calls, redis_server
 from workers.leases import Leases
 
 
@@ -59,3 +61,28 @@ def test_a_batch_renewal_extends_every_lease(redis_url: str) -> None:
     leases.renew(jobs, client)
 
     assert all(client.pttl(keys.job_lease(job_id)) > 29_000 for job_id in jobs)
+
+
+def test_a_batch_costs_redis_a_set_per_job_and_a_command_or_two_besides(tmp_path: Path) -> None:
+    """Claim and release once cost four commands a job (SET, EXISTS, GET, DEL); now the cancel
+    flags come in one MGET, and the release is one MGET and one DEL."""
+    with redis_server(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        leases = Leases(client, ttl_s=30)
+        jobs = _ids(50)
+        client.set(keys.job_cancel_flag(jobs[7]), b"1", ex=60)
+        before = command_calls(client)
+        tokens = {job_id: f"me:{i}" for i, job_id in enumerate(jobs)}
+        claimed = leases.claimed(jobs, leases.claim(tokens, client))
+        assert leases.release(list(tokens.items()), client) == 50
+        calls = {name: n - before.get(name, 0) for name, n in command_calls(client).items()}
+        assert [job_id for job_id, cancel in claimed.items() if cancel] == [jobs[7]]
+        assert len(claimed) == 50
+        assert not any(client.exists(keys.job_lease(job_id)) for job_id in jobs)
+        assert {name: calls.get(name, 0) for name in ("set", "mget", "del", "get", "exists")} == {
+            "set": 50,
+            "mget": 2,
+            "del": 1,
+            "get": 0,
+            "exists": 0,
+        }

@@ -42,10 +42,12 @@ from core import keys
 # the TTL (`job_key_ttl_s`, a day by default, far past any tier's limit on a job's time).
 _PUBLISH_SCRIPT = """
 local ttl = ARGV[1]
+local last = {}  -- each stream's last number in this call: one XLEN a job, not one an event
 for i = 0, #KEYS / 4 - 1 do
   local stream, channel, quota, final = KEYS[4*i+1], KEYS[4*i+2], KEYS[4*i+3], KEYS[4*i+4]
   local body, kind, job_id = ARGV[3*i+2], ARGV[3*i+3], ARGV[3*i+4]
-  local seq = redis.call('XLEN', stream) + 1
+  local seq = (last[stream] or redis.call('XLEN', stream)) + 1
+  last[stream] = seq
   local payload = '{"seq":' .. seq .. ',' .. string.sub(body, 2)
   redis.call('XADD', stream, '0-' .. seq, 'e', payload)
   if kind ~= 'd' or seq == 1 then redis.call('EXPIRE', stream, ttl) end

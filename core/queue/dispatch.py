@@ -113,10 +113,12 @@ return send
 _TAKE_HELD = (
     _COMMON
     + """
-local room = room(tonumber(ARGV[1]))
 local taken = {}
+local owners = redis.call('ZCARD', KEYS[3])
+if owners == 0 then return taken end
+local room = room(tonumber(ARGV[1]))
 if room <= 0 then return taken end
-local share = math.max(1, math.floor(room / math.max(1, redis.call('ZCARD', KEYS[3]))))
+local share = math.max(1, math.floor(room / owners))
 while room > 0 do
   local first = redis.call('ZRANGE', KEYS[3], 0, 0)
   if #first == 0 then break end

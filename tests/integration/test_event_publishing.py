@@ -14,7 +14,7 @@ import redis
 
 from core import keys
 from core.events import MAX_EVENTS_PER_CALL, EventPublisher
-from tests.support import redis_server
+from tests.support import command_calls, redis_server
 
 
 def _events(client: redis.Redis, job_id: str) -> list[dict[str, object]]:
@@ -35,6 +35,7 @@ def test_one_call_numbers_and_publishes_each_jobs_events_in_order(tmp_path: Path
         assert listener.get_message(timeout=1)  # the two subscribe confirmations
         assert listener.get_message(timeout=1)
 
+        before = command_calls(client)
         publisher.publish_many(
             [
                 ("job_a", "delta", {"attempt": 1, "text": "Hel", "tokens": 3}),
@@ -43,6 +44,7 @@ def test_one_call_numbers_and_publishes_each_jobs_events_in_order(tmp_path: Path
                 ("job_a", "done", {"status": "succeeded"}),
             ]
         )
+        assert command_calls(client)["xlen"] - before.get("xlen", 0) == 2  # once per stream
 
         a_events = _events(client, "job_a")
         assert [(e["seq"], e["type"]) for e in a_events] == [

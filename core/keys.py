@@ -121,7 +121,12 @@ def sending_count(tier: Tier | str, lane: str | None = None) -> str:
 
 
 def dispatching(tier: Tier | str, lane: str | None = None) -> str:
-    """Jobs taken from held lists whose message may not be sent yet."""
+    """Jobs taken from held lists whose message may not be sent yet (a set)."""
+    return f"{PREFIX}:parked:{_tier_lane(tier, lane)}"
+
+
+def dispatching_list(tier: Tier | str, lane: str | None = None) -> str:
+    """Where dispatchers before the set parked jobs (a list), read once by a new one."""
     return f"{PREFIX}:dispatching:{_tier_lane(tier, lane)}"
 
 

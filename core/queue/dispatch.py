@@ -22,7 +22,7 @@ The dispatcher polls for room only while jobs are held; otherwise it blocks on a
 that holding a job pushes to, so an idle system costs Redis almost nothing.
 
 Every move is one Lua script, and a job taken from a held list is parked in the set
-`inferq:dispatching:{tier}` until its message is sent, so a dispatcher that dies mid-move leaves
+`inferq:parked:{tier}` until its message is sent, so a dispatcher that dies mid-move leaves
 the job to be sent by the next one (a duplicate message is harmless: workers skip a job that is
 claimed or final).
 """
@@ -108,8 +108,8 @@ return send
 )
 
 # KEYS: as above. ARGV: backlog, held-list prefix.
-# Takes held entries round-robin across owners until the queue is full, each owner's turn an
-# equal share of the room it found (at least one entry); parks them in the dispatching set.
+# Takes held entries round-robin across owners until the queue is full, in rounds where each
+# owner's turn is an equal share of the room; parks them in the dispatching set.
 _TAKE_HELD = (
     _COMMON
     + """
@@ -117,21 +117,26 @@ local taken = {}
 local owners = redis.call('ZCARD', KEYS[3])
 if owners == 0 then return taken end
 local room = room(tonumber(ARGV[1]))
-if room <= 0 then return taken end
-local share = math.max(1, math.floor(room / owners))
-while room > 0 do
-  local first = redis.call('ZRANGE', KEYS[3], 0, 0)
-  if #first == 0 then break end
-  local owner = first[1]
-  local list = ARGV[2] .. owner
-  local entries = redis.call('LPOP', list, math.min(share, room)) or {}
-  if redis.call('LLEN', list) == 0 then
-    redis.call('ZREM', KEYS[3], owner)
-  else
-    redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), owner)
+-- Rounds: each owner waiting at a round's start takes a turn of an equal share of the room left
+-- then (at least one entry), least recently served first; an owner that runs short leaves its
+-- room to the next round.
+while room > 0 and owners > 0 do
+  local share = math.max(1, math.floor(room / owners))
+  for _ = 1, owners do
+    if room <= 0 then break end
+    local owner = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
+    if not owner then break end
+    local list = ARGV[2] .. owner
+    local entries = redis.call('LPOP', list, math.min(share, room)) or {}
+    if redis.call('LLEN', list) == 0 then
+      redis.call('ZREM', KEYS[3], owner)
+    else
+      redis.call('ZADD', KEYS[3], redis.call('INCR', KEYS[4]), owner)
+    end
+    for _, entry in ipairs(entries) do table.insert(taken, entry) end
+    room = room - #entries
   end
-  for _, entry in ipairs(entries) do table.insert(taken, entry) end
-  room = room - #entries
+  owners = redis.call('ZCARD', KEYS[3])
 end
 if #taken > 0 then
   redis.call('DECRBY', KEYS[2], #taken)
@@ -293,13 +298,16 @@ class Dispatcher:
         resent = 0
         for tier, lane in self._queues():
             parked = keys.dispatching(tier, lane)
-            # A list: parked by a dispatcher from before the set (one entry a command).
-            legacy = self.redis.type(parked) in (b"list", "list")
-            entries = self.redis.lrange(parked, 0, -1) if legacy else self.redis.smembers(parked)
-            if entries:
-                self._send([_parse(entry, tier, lane) for entry in entries])
-                self.redis.delete(parked)
-                resent += len(entries)
+            legacy = keys.dispatching_list(tier, lane)  # a dispatcher's from before the set
+            found = (
+                (parked, self.redis.smembers(parked)),
+                (legacy, self.redis.lrange(legacy, 0, -1)),
+            )
+            for key, entries in found:
+                if entries:
+                    self._send([_parse(entry, tier, lane) for entry in entries])
+                    self.redis.delete(key)
+                    resent += len(entries)
         return resent
 
     def _send(self, jobs: list[QueuedJob]) -> None:

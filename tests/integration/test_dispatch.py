@@ -208,6 +208,30 @@ def test_held_jobs_are_released_in_equal_shares_of_the_room_a_few_commands_a_sha
         assert client.zcard(keys.held_owners(basic)) == 0
 
 
+def test_an_owner_that_runs_short_leaves_its_share_to_the_others_in_equal_parts(
+    tmp_path: Path,
+) -> None:
+    with redis_server(tmp_path) as server:
+        settings = Settings(redis_url=server.url, data_dir=tmp_path, dispatch_backlog=30)
+        client = redis.Redis.from_url(server.url)
+        dispatcher = Dispatcher(settings, client, make_celery_app(settings))
+        basic = Tier.BASIC.value
+        dispatcher.submit([QueuedJob(f"f{i}", basic, "filler") for i in range(30)])  # the queue
+        dispatcher.submit(
+            [QueuedJob("a0", basic, "alice")]
+            + [
+                QueuedJob(f"{owner[0]}{i}", basic, owner)
+                for owner in ("bob", "carol")
+                for i in range(20)
+            ]
+        )
+        client.delete(keys.queue_name(Tier.BASIC))
+        assert dispatcher.release() == 30
+        sent = _sent_ids(client, keys.queue_name(Tier.BASIC))
+        # Ten each, alice had one; the nine left: four each, then one.
+        assert [sum(job.startswith(o) for job in sent) for o in "abc"] == [1, 15, 14]
+
+
 def test_a_dispatcher_sends_what_an_earlier_one_parked_in_a_list(tmp_path: Path) -> None:
     """Parked jobs were kept in a list before the set: a new dispatcher sends them at start."""
     with redis_server(tmp_path) as server:
@@ -216,11 +240,14 @@ def test_a_dispatcher_sends_what_an_earlier_one_parked_in_a_list(tmp_path: Path)
         dispatcher = Dispatcher(settings, client, make_celery_app(settings))
         basic = Tier.BASIC.value
         client.rpush(
-            keys.dispatching(basic), *(QueuedJob(f"p{i}", basic, "o").entry() for i in range(3))
+            keys.dispatching_list(basic),
+            *(QueuedJob(f"p{i}", basic, "o").entry() for i in range(3)),
         )
+        dispatcher.submit([QueuedJob("new", basic, "o")])  # the API's hold, beside the old list
         assert dispatcher.recover() == 3
-        assert sorted(_sent_ids(client, keys.queue_name(Tier.BASIC))) == ["p0", "p1", "p2"]
-        assert not client.exists(keys.dispatching(basic))
+        sent = _sent_ids(client, keys.queue_name(Tier.BASIC))
+        assert sent[0] == "new" and sorted(sent[1:]) == ["p0", "p1", "p2"]
+        assert not client.exists(keys.dispatching_list(basic))
 
 
 def _sent_ids(client: redis.Redis, queue: str) -> list[str]:

@@ -30,7 +30,7 @@ def _long_lived_keys(stack: Stack) -> tuple[set[str], tuple[str, ...]]:
     """Keys that may live without a TTL (exact names, name prefixes), all from core/keys.py.
 
     The tier queues (shared and each worker's own) and their wake-up lists, the fair-share state
-    (held lists, owners, counters, dispatching lists), the worker registry and the scheduler's
+    (held lists, owners, counters, parked sets), the worker registry and the scheduler's
     data mark: shared state, not per job.
     """
     workers = {m.decode() for m in stack.redis.smembers(keys.WORKERS_SET)} | {stack.worker_name}

@@ -34,25 +34,22 @@ from core import keys
 # Numbering, storing and publishing happen in one script so that two publishers (the API
 # cancelling a queued job, a worker finishing it) can never give out the same number. One call
 # publishes any number of events: KEYS holds 4 keys per event, ARGV the TTL and then 3 values per
-# event (body, kind, job id). A worker publishes a whole engine step's deltas in one call, not
-# one call per job.
-#
-# The stream's TTL is restarted by every event but a delta (kind 'd'), unless the delta is the
-# first: deltas come only while a run goes on, and the `running` event that began it restarted
-# the TTL (`job_key_ttl_s`, a day by default, far past any tier's limit on a job's time).
+# event (body, whether final, job id). A worker publishes a whole engine step's deltas in one
+# call, not one call per job; a stream is counted (XLEN) and its TTL restarted once per call.
 _PUBLISH_SCRIPT = """
 local ttl = ARGV[1]
-local last = {}  -- each stream's last number in this call: one XLEN a job, not one an event
+local last = {}  -- each stream's last number in this call
 for i = 0, #KEYS / 4 - 1 do
   local stream, channel, quota, final = KEYS[4*i+1], KEYS[4*i+2], KEYS[4*i+3], KEYS[4*i+4]
-  local body, kind, job_id = ARGV[3*i+2], ARGV[3*i+3], ARGV[3*i+4]
+  local body, is_final, job_id = ARGV[3*i+2], ARGV[3*i+3], ARGV[3*i+4]
+  local first = not last[stream]
   local seq = (last[stream] or redis.call('XLEN', stream)) + 1
   last[stream] = seq
   local payload = '{"seq":' .. seq .. ',' .. string.sub(body, 2)
   redis.call('XADD', stream, '0-' .. seq, 'e', payload)
-  if kind ~= 'd' or seq == 1 then redis.call('EXPIRE', stream, ttl) end
+  if first then redis.call('EXPIRE', stream, ttl) end
   redis.call('PUBLISH', channel, payload)
-  if kind == 'f' then
+  if is_final == '1' then
     -- a final event: it wakes the waits for the job's end, which listen to one channel for
     -- every job's id so that deltas do not wake them, and check the job's final key to see
     -- whether it ended before they began; the job no longer counts against its key's
@@ -93,8 +90,8 @@ def _script_call(events: Sequence[Event], ttl_s: int) -> tuple[list[str], list[A
             keys.job_quota_set(job_id),
             keys.job_final_event(job_id),
         ]
-        kind = "f" if event_type in FINAL_EVENT_TYPES else "d" if event_type == "delta" else "s"
-        args += [encode_event(job_id, event_type, **fields), kind, job_id]
+        final = "1" if event_type in FINAL_EVENT_TYPES else "0"
+        args += [encode_event(job_id, event_type, **fields), final, job_id]
     return script_keys, args
 
 

@@ -203,7 +203,9 @@ class Settings(BaseSettings):
     )
     default_max_tokens: int = Field(default=256, description="max_tokens when a job omits it.")
     max_body_bytes: int = Field(default=1024 * 1024, description="Largest accepted request body.")
-    job_key_ttl_s: int = Field(default=24 * 3600, description="TTL of every per-job Redis key.")
+    job_key_ttl_s: int = Field(
+        default=24 * 3600, gt=0, description="TTL of every per-job Redis key."
+    )
     retention_days: float = Field(
         default=30.0,
         ge=0,

@@ -44,7 +44,9 @@ def test_one_call_numbers_and_publishes_each_jobs_events_in_order(tmp_path: Path
                 ("job_a", "done", {"status": "succeeded"}),
             ]
         )
-        assert command_calls(client)["xlen"] - before.get("xlen", 0) == 2  # once per stream
+        calls = command_calls(client)
+        assert calls["xlen"] - before.get("xlen", 0) == 2  # once per stream in the call
+        assert calls["expire"] - before.get("expire", 0) == 2
 
         a_events = _events(client, "job_a")
         assert [(e["seq"], e["type"]) for e in a_events] == [
@@ -70,7 +72,10 @@ def test_one_call_numbers_and_publishes_each_jobs_events_in_order(tmp_path: Path
         assert not client.exists(keys.job_final_event("job_b"))
         assert client.zrange("quota:key1", 0, -1) == [b"job_other"]
         assert not client.exists(keys.job_quota_set("job_a"))
-        assert 0 < client.ttl(keys.job_event_stream("job_b")) <= 60
+        assert 0 < client.ttl(keys.job_event_stream("job_b")) <= 60  # made by this call
+        client.expire(keys.job_event_stream("job_a"), 5)
+        publisher.publish("job_a", "delta", attempt=2, text="!", tokens=1)
+        assert client.ttl(keys.job_event_stream("job_a")) > 5  # every call restarts it
 
 
 def test_more_events_than_one_call_takes_are_split_in_order(tmp_path: Path) -> None:
@@ -87,25 +92,3 @@ def test_more_events_than_one_call_takes_are_split_in_order(tmp_path: Path) -> N
         events = _events(client, "job_long")
         assert [e["seq"] for e in events] == list(range(1, count + 1))
         assert [e["text"] for e in events] == [str(i) for i in range(count)]
-
-
-def test_a_streams_ttl_is_set_by_its_first_event_and_restarted_by_all_but_deltas(
-    tmp_path: Path,
-) -> None:
-    """Deltas come only during a run, whose `running` event restarted the TTL: they cost no
-    EXPIRE, and a stream that begins with one still gets its TTL."""
-    with redis_server(tmp_path) as server:
-        client = redis.Redis.from_url(server.url)
-        publisher = EventPublisher(client, ttl_s=60)
-        stream = keys.job_event_stream("job_a")
-        publisher.publish("job_a", "delta", attempt=1, text="a", tokens=1)
-        assert 0 < client.ttl(stream) <= 60
-        client.expire(stream, 30)
-        publisher.publish_many([("job_a", "delta", {"attempt": 1, "text": "b", "tokens": 1})] * 5)
-        assert client.ttl(stream) <= 30
-        publisher.publish("job_a", "status", status="running", attempt=2)
-        assert client.ttl(stream) > 30
-        client.expire(stream, 30)
-        publisher.publish("job_a", "done", status="succeeded")
-        assert client.ttl(stream) > 30
-        assert [e["seq"] for e in _events(client, "job_a")] == list(range(1, 9))

@@ -68,6 +68,24 @@ def parse_sentinel(url: str) -> SentinelUrl | None:
     )
 
 
+MIN_REDIS_VERSION = (6, 2)
+"""The oldest Redis inferq runs on: the workers' take and the dispatcher pop with a count."""
+
+
+def version_problem(client: redis.Redis) -> str | None:
+    """Why this Redis server is too old for inferq, or None: new enough, or not reachable now
+    (the caller's own handling of an outage applies)."""
+    try:
+        version = str(client.info("server")["redis_version"])
+    except redis.RedisError:
+        return None
+    found = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    if found >= MIN_REDIS_VERSION:
+        return None
+    needed = ".".join(map(str, MIN_REDIS_VERSION))
+    return f"inferq needs Redis {needed} or later; the server runs {version}"
+
+
 def sync_client(url: str, **kwargs: Any) -> redis.Redis:
     """A client of the server `url` names (for a Sentinel URL, of the current primary)."""
     sentinel = parse_sentinel(url)

@@ -134,11 +134,13 @@ def scheduler() -> None:
     from core.metrics import serve_metrics
     from core.queue.app import make_celery_app
     from core.queue.dispatch import Dispatcher
-    from core.redisconn import sync_client
+    from core.redisconn import sync_client, version_problem
     from scheduler.reaper import Scheduler
     from scheduler.retention import run_retention
 
     settings = _settings()
+    if problem := version_problem(sync_client(settings.redis_url, socket_timeout=10)):
+        raise click.ClickException(problem)
     health = Health()  # ready while its last tick reached Redis and the database
     serve_metrics(settings.scheduler_metrics_port, health)
     stopped = threading.Event()

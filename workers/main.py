@@ -19,7 +19,7 @@ from core.jobs import JobStore
 from core.logs import set_context
 from core.metrics import serve_metrics
 from core.queue.app import make_celery_app
-from core.redisconn import parse_sentinel, sync_client
+from core.redisconn import parse_sentinel, sync_client, version_problem
 from core.settings import Settings
 from core.tiers import TIERS_BY_PRIORITY, Tier
 from core.tracing import init_tracing
@@ -124,6 +124,9 @@ def run_worker(
     """
     pin_devices(spec)
     client = sync_client(settings.redis_url)
+    if problem := version_problem(client):
+        log.error("%s", problem)
+        return 1
     try:
         name_claim = claim_node_name(client, spec, name, settings.worker_name_ttl_s)
     except WorkerNameTaken as exc:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import redis
 
-from core.redisconn import SentinelUrl, celery_broker, parse_sentinel
+from core.redisconn import SentinelUrl, celery_broker, parse_sentinel, version_problem
 
 
 def test_a_server_url_is_not_a_sentinel_one() -> None:
@@ -37,3 +38,29 @@ def test_a_sentinel_url_names_the_sentinels_the_service_and_the_database() -> No
 def test_a_malformed_sentinel_url_is_refused(url: str) -> None:
     with pytest.raises(ValueError):
         parse_sentinel(url)
+
+
+class _Server:
+    """Answers INFO server with a version, as a Redis server would."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def info(self, section: str) -> dict[str, str]:
+        assert section == "server"
+        return {"redis_version": self.version}
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [("6.0.16", True), ("5.0.7", True), ("6.2.0", False), ("7.0.15", False), ("7.4.1", False)],
+)
+def test_a_redis_older_than_6_2_is_named_as_too_old(version: str, refused: bool) -> None:
+    problem = version_problem(_Server(version))  # type: ignore[arg-type]
+    assert (problem is not None) == refused
+    if problem:
+        assert "6.2" in problem and version in problem
+
+
+def test_an_unreachable_redis_is_left_to_the_callers_outage_handling() -> None:
+    assert version_problem(redis.Redis(port=1, socket_connect_timeout=1)) is None

@@ -108,8 +108,10 @@ return send
 )
 
 # KEYS: as above. ARGV: backlog, held-list prefix.
-# Takes held entries round-robin across owners until the queue is full, in rounds where each
-# owner's turn is an equal share of the room; parks them in the dispatching set.
+# Takes held entries round-robin across owners until the queue is full, in rounds: each owner
+# waiting at a round's start, least recently served first, takes an equal share of the room left
+# (at least one entry), and what an owner that runs short leaves goes to the next round. Parks
+# the entries in the dispatching set.
 _TAKE_HELD = (
     _COMMON
     + """
@@ -117,9 +119,6 @@ local taken = {}
 local owners = redis.call('ZCARD', KEYS[3])
 if owners == 0 then return taken end
 local room = room(tonumber(ARGV[1]))
--- Rounds: each owner waiting at a round's start takes a turn of an equal share of the room left
--- then (at least one entry), least recently served first; an owner that runs short leaves its
--- room to the next round.
 while room > 0 and owners > 0 do
   local share = math.max(1, math.floor(room / owners))
   for _ = 1, owners do

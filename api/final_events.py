@@ -1,17 +1,18 @@
 """Waiting for jobs to end: one subscription per API process, not one blocking read per wait.
 
 Long polls (`GET /v1/jobs/{id}?wait=N`), submissions under `Prefer: wait` and cancellations
-wait for jobs' final events. A blocking XREAD on each job's final-event stream would hold a
-Redis connection per wait: a thousand long polls, a thousand connections (and past the pool's
-size, a wait for one). So every final event is also published, as the bare job id, on one
-channel (`keys.FINAL_EVENTS_CHANNEL`), and `FinalEvents` keeps one subscription to it for the
-whole process; a wait is a future that the job's id resolves.
+wait for jobs' final events. A blocking read per job would hold a Redis connection per wait:
+a thousand long polls, a thousand connections (and past the pool's size, a wait for one). So
+the job ids of final events are also published on one channel (`keys.FINAL_EVENTS_CHANNEL`,
+one message naming every job that one publishing call ended, space-separated), and
+`FinalEvents` keeps one subscription to it for the whole process; a wait is a future that the
+job's id resolves.
 
-A wait may begin after its job has ended, so it first checks whether the job's final-event
-stream exists; the checks of the waits that begin together are one pipelined round trip. A
-final event published while the subscription is down (Redis restarting) is not lost either:
-after subscribing again, and every `SWEEP_S` while any wait is pending, the waiting jobs' streams
-are checked the same way.
+A wait may begin after its job has ended, so it first checks whether the job's event stream
+ends with a final event (`core.events.ended_jobs`); the checks of the waits that begin together
+are one pipelined round trip. A final event published while the subscription is down (Redis
+restarting) is not lost either: after subscribing again, and every `SWEEP_S` while any wait is
+pending, the waiting jobs' streams are checked the same way.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Collection
 import redis.asyncio as aioredis
 
 from core import keys
+from core.events import ended_jobs
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class FinalEvents:
                 future.set_result(None)
 
     async def _check(self, job_ids: Collection[str]) -> None:
-        """Resolve the waits of those jobs whose final-event stream exists.
+        """Resolve the waits of those jobs that have ended.
 
         A check that is under way was sent before these ids were known: they go in the next
         one, which every caller arriving meanwhile shares.
@@ -111,17 +113,13 @@ class FinalEvents:
             (ids, done), self._round = self._round, None
             job_ids = [job_id for job_id in ids if job_id in self._waiters]
             try:
-                pipe = self._redis.pipeline(transaction=False)
-                for job_id in job_ids:
-                    pipe.exists(keys.job_final_event(job_id))
-                found = await pipe.execute() if job_ids else []
+                ended = await ended_jobs(self._redis, job_ids)
             except Exception as exc:  # every caller of this round hears it
                 done.set_exception(exc)
                 done.exception()  # seen, even when every caller went away before it ended
                 continue
-            for job_id, exists in zip(job_ids, found, strict=True):
-                if exists:
-                    self._ended(job_id)
+            for job_id in ended:
+                self._ended(job_id)
             done.set_result(None)
 
     def _listen(self) -> None:
@@ -143,8 +141,10 @@ class FinalEvents:
                         await self._check(list(self._waiters))
                     message = await pubsub.get_message(timeout=self._sweep_s)
                     if message is not None and message["type"] == "message":
-                        data = message["data"]
-                        self._ended(data.decode() if isinstance(data, bytes) else str(data))
+                        data = message["data"]  # the ids of the jobs one call ended
+                        text = data.decode() if isinstance(data, bytes) else str(data)
+                        for job_id in text.split():
+                            self._ended(job_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis gone or restarting: the waits keep their timeouts

@@ -12,10 +12,11 @@ Each event is a JSON object with `seq` (1, 2, ...), `job_id` and `type`:
 - one final event — `done`, `error`, `cancelled` or `timed_out` — carrying `status`, `usage`
   and `error_code`; nothing follows it.
 
-The stream entry of event `seq` has the id `0-<seq>`, so "everything after event N" is an XREAD
-from `0-N`. A final event is also stored in a key of the job's own (whether it exists says
-whether the job has ended) and its job id published on `keys.FINAL_EVENTS_CHANNEL`, which is
-what waits for a job's end listen to (see `api.final_events`). Publishing a final event also
+The stream entry of event `seq` has the id `0-<seq>` and holds the event without `seq` (the
+readers here add it), so "everything after event N" is an XREAD from `0-N`, and a job has ended
+when its stream's last entry is a final event (`ended_jobs`). A final event's job id is also
+published on `keys.FINAL_EVENTS_CHANNEL`, which is what waits for a job's end listen to (see
+`api.final_events`; one message names every job a call ended). Publishing a final event also
 takes the job off its key's concurrent-jobs set (see `core.quotas`), whichever process ends
 the job.
 """
@@ -33,29 +34,32 @@ from core import keys
 
 # Numbering, storing and publishing happen in one script so that two publishers (the API
 # cancelling a queued job, a worker finishing it) can never give out the same number. One call
-# publishes any number of events: KEYS holds 4 keys per event, ARGV the TTL and then 3 values per
-# event (body, whether final, job id). A worker publishes a whole engine step's deltas in one
-# call, not one call per job; a stream is counted (XLEN) and its TTL restarted once per call.
+# publishes any number of events: KEYS holds 3 keys per event, ARGV the TTL and then 3 values per
+# event (body, kind, job id). A worker publishes a whole engine step's deltas in one call, not one
+# call per job. Redis numbers the entries (`XADD 0-*`, Redis 7.0); the entry keeps the body as
+# sent and readers take `seq` from its id. A stream's TTL restarts when the stream is made and
+# with each status or final event, once per call; a delta leaves it (a running job's worker
+# restarts it, `workers.runner`). A call's final events wake the waits for job ends with one
+# message: their job ids, space-separated.
 _PUBLISH_SCRIPT = """
 local ttl = ARGV[1]
-local last = {}  -- each stream's last number in this call
-for i = 0, #KEYS / 4 - 1 do
-  local stream, channel, quota, final = KEYS[4*i+1], KEYS[4*i+2], KEYS[4*i+3], KEYS[4*i+4]
-  local body, is_final, job_id = ARGV[3*i+2], ARGV[3*i+3], ARGV[3*i+4]
-  local first = not last[stream]
-  local seq = (last[stream] or redis.call('XLEN', stream)) + 1
-  last[stream] = seq
+local restarted, ended = {}, {}
+for i = 0, #KEYS / 3 - 1 do
+  local stream, channel, quota = KEYS[3*i+1], KEYS[3*i+2], KEYS[3*i+3]
+  local body, kind, job_id = ARGV[3*i+2], ARGV[3*i+3], ARGV[3*i+4]
+  local id = redis.call('XADD', stream, '0-*', 'e', body)
+  local seq = string.sub(id, 3)
+  if not restarted[stream] and (kind ~= 'delta' or seq == '1') then
+    restarted[stream] = true
+    redis.call('EXPIRE', stream, ttl)
+  end
   local payload = '{"seq":' .. seq .. ',' .. string.sub(body, 2)
-  redis.call('XADD', stream, '0-' .. seq, 'e', payload)
-  if first then redis.call('EXPIRE', stream, ttl) end
   redis.call('PUBLISH', channel, payload)
-  if is_final == '1' then
-    -- a final event: it wakes the waits for the job's end, which listen to one channel for
-    -- every job's id so that deltas do not wake them, and check the job's final key to see
-    -- whether it ended before they began; the job no longer counts against its key's
-    -- concurrent jobs
-    redis.call('SET', final, payload, 'EX', ttl)
-    redis.call('PUBLISH', FINAL_EVENTS_CHANNEL, job_id)
+  if kind == 'final' then
+    -- a final event: the waits for the job's end listen to one channel for every job so that
+    -- deltas do not wake them (`ended_jobs` tells whether a job ended before they began); the
+    -- job no longer counts against its key's concurrent jobs
+    table.insert(ended, job_id)
     local active = redis.call('GET', quota)
     if active then
       redis.call('ZREM', active, job_id)
@@ -63,7 +67,8 @@ for i = 0, #KEYS / 4 - 1 do
     end
   end
 end
-return #KEYS / 4
+if #ended > 0 then redis.call('PUBLISH', FINAL_EVENTS_CHANNEL, table.concat(ended, ' ')) end
+return #KEYS / 3
 """.replace("FINAL_EVENTS_CHANNEL", f"'{keys.FINAL_EVENTS_CHANNEL}'")
 
 MAX_EVENTS_PER_CALL = 256
@@ -88,11 +93,16 @@ def _script_call(events: Sequence[Event], ttl_s: int) -> tuple[list[str], list[A
             keys.job_event_stream(job_id),
             keys.job_events_channel(job_id),
             keys.job_quota_set(job_id),
-            keys.job_final_event(job_id),
         ]
-        final = "1" if event_type in FINAL_EVENT_TYPES else "0"
-        args += [encode_event(job_id, event_type, **fields), final, job_id]
+        args += [encode_event(job_id, event_type, **fields), _kind(event_type), job_id]
     return script_keys, args
+
+
+def _kind(event_type: str) -> str:
+    """How the script treats an event: `final`, `delta`, or `status` (any other type)."""
+    if event_type in FINAL_EVENT_TYPES:
+        return "final"
+    return "delta" if event_type == "delta" else "status"
 
 
 def encode_event(job_id: str, event_type: str, **fields: Any) -> str:
@@ -133,6 +143,11 @@ class EventPublisher:
                 events[start : start + MAX_EVENTS_PER_CALL], self.ttl_s
             )
             self._script(keys=script_keys, args=args, client=client)
+
+    def restart_ttls(self, job_ids: Sequence[str], client: redis.client.Pipeline) -> None:
+        """Restart the TTL of these running jobs' streams, which their deltas leave as it is."""
+        for job_id in job_ids:
+            client.expire(keys.job_event_stream(job_id), self.ttl_s)
 
 
 class AsyncEventPublisher:
@@ -178,6 +193,19 @@ async def read_events(
     return [event for _, event in _entries(reply)]
 
 
+async def ended_jobs(client: aioredis.Redis, job_ids: Sequence[str]) -> set[str]:
+    """Those of the jobs whose stream ends with a final event, read in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.xrevrange(keys.job_event_stream(job_id), count=1)
+    replies = await pipe.execute() if job_ids else []
+    return {
+        job_id
+        for job_id, last in zip(job_ids, replies, strict=True)
+        if any(is_final(event) for event in parse_events(last))
+    }
+
+
 def streamed_text(events: Sequence[dict[str, Any]]) -> tuple[str, int]:
     """The text, and its tokens, that these events of one job (in order) add up to for a reader.
 
@@ -208,5 +236,5 @@ def _entries(reply: Any) -> list[tuple[str, dict[str, Any]]]:
         for entry_id, fields in entries:
             raw = fields.get(b"e", fields.get("e"))
             entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-            pairs.append((entry, json.loads(raw)))
+            pairs.append((entry, {"seq": int(entry.partition("-")[2]), **json.loads(raw)}))
     return pairs

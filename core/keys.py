@@ -55,11 +55,6 @@ def job_event_stream(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:stream"
 
 
-def job_final_event(job_id: str) -> str:
-    """A job's final event, set when it ends: whether a wait for its end may stop at once."""
-    return f"{PREFIX}:job:{job_id}:final"
-
-
 def job_cancel_flag(job_id: str) -> str:
     """Set when a cancel was asked for, so a worker that is about to start the job sees it."""
     return f"{PREFIX}:job:{job_id}:cancel"

@@ -68,8 +68,9 @@ def parse_sentinel(url: str) -> SentinelUrl | None:
     )
 
 
-MIN_REDIS_VERSION = (6, 2)
-"""The oldest Redis inferq runs on: the workers' take and the dispatcher pop with a count."""
+MIN_REDIS_VERSION = (7, 0)
+"""The oldest Redis inferq runs on: events are numbered by `XADD 0-*` (7.0), and the workers'
+take and the dispatcher pop with a count (6.2)."""
 
 
 def version_problem(client: redis.Redis) -> str | None:

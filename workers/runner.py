@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from functools import partial
@@ -93,6 +94,9 @@ class JobRunner:
         # job id → engine request id, for every job this worker is running
         self._running = RunningJobs()
         self._stale_leases = StaleLeases()
+        # When the heartbeat next restarts running jobs' stream TTLs: a job that starts sets
+        # its stream's TTL, so none needs it before a third of the TTL from now.
+        self._streams_due = time.monotonic() + settings.job_key_ttl_s / 3
         self.starter = JobStarter(
             settings=settings,
             store=store,
@@ -249,6 +253,11 @@ class JobRunner:
         stale = self._stale_leases.pending()
         pipe = self.redis.pipeline(transaction=False)
         self.leases.renew(running, pipe)
+        if running and time.monotonic() >= self._streams_due:
+            # Deltas leave their stream's TTL as it is (core.events): a run longer than the TTL
+            # would lose its stream without this, a few times a TTL.
+            self._streams_due = time.monotonic() + self.publisher.ttl_s / 3
+            self.publisher.restart_ttls(running, pipe)
         self.leases.release(stale, pipe)
         counters = self.stats.as_mapping()
         for tier in TIERS_BY_PRIORITY:  # routing sends a worker jobs only of tiers it takes

@@ -1,5 +1,5 @@
-"""The runner when a step fails: every job it was handed still ends once, and none is left
-claimed by a lease nobody holds.
+"""The runner when a step fails: every job it was handed still ends once, none is left claimed
+by a lease nobody holds, and none outlives its event stream.
 
 Real Redis and SQLite; the engine is a fake the test drives (these are the runner's own
 callbacks and leases, not generation).
@@ -187,3 +187,23 @@ def test_a_heartbeat_that_fails_keeps_the_leases_to_release(
     parts.runner.renew_leases()
     assert len(parts.runner._stale_leases) == 0
     assert parts.redis.get(keys.job_lease(job_id)) is None
+
+
+def test_the_heartbeat_keeps_a_running_jobs_stream_through_a_run_longer_than_its_ttl(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deltas leave their stream's TTL as it is (`core.events`), so a run longer than the TTL
+    keeps its stream only because the heartbeat restarts it, every third of the TTL."""
+    job_id = parts.queued_job("Run for a long time.")
+    answers = parts.runner.starter.start_batch([job_id])
+    assert isinstance(answers[job_id], Started)
+    stream = keys.job_event_stream(job_id)
+    assert parts.redis.exists(stream)  # its running event
+    parts.redis.expire(stream, 5)  # as if the run had lasted all but 5 s of the TTL
+    parts.runner.renew_leases()  # a heartbeat soon after the start leaves it
+    assert parts.redis.ttl(stream) <= 5
+    third = parts.runner.settings.job_key_ttl_s / 3
+    later = time.monotonic() + third
+    monkeypatch.setattr("workers.runner.time.monotonic", lambda: later)
+    parts.runner.renew_leases()
+    assert parts.redis.ttl(stream) > 5

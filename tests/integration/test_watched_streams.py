@@ -15,7 +15,7 @@ from typing import Any
 import redis
 
 from core import keys
-from core.events import EventPublisher
+from core.events import EventPublisher, parse_events
 from core.tiers import Tier
 from tests.support import (
     BLOCKER_TOKENS,
@@ -30,8 +30,7 @@ from workers.streams import DeltaPublisher
 
 
 def _stream(client: redis.Redis, job_id: str) -> list[dict[str, Any]]:
-    entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(keys.job_event_stream(job_id))  # type: ignore[assignment]
-    return [json.loads(fields[b"e"]) for _, fields in entries]
+    return parse_events(client.xrange(keys.job_event_stream(job_id)))
 
 
 def _wait_running(stack: Stack, key: str, job_id: str) -> None:

@@ -53,13 +53,13 @@ class _Server:
 
 @pytest.mark.parametrize(
     ("version", "refused"),
-    [("6.0.16", True), ("5.0.7", True), ("6.2.0", False), ("7.0.15", False), ("7.4.1", False)],
+    [("6.2.14", True), ("5.0.7", True), ("7.0.0", False), ("7.0.15", False), ("7.4.1", False)],
 )
-def test_a_redis_older_than_6_2_is_named_as_too_old(version: str, refused: bool) -> None:
+def test_a_redis_older_than_7_0_is_named_as_too_old(version: str, refused: bool) -> None:
     problem = version_problem(_Server(version))  # type: ignore[arg-type]
     assert (problem is not None) == refused
     if problem:
-        assert "6.2" in problem and version in problem
+        assert "7.0" in problem and version in problem
 
 
 def test_an_unreachable_redis_is_left_to_the_callers_outage_handling() -> None:

@@ -94,8 +94,9 @@ class JobRunner:
         # job id → engine request id, for every job this worker is running
         self._running = RunningJobs()
         self._stale_leases = StaleLeases()
-        # When the heartbeat next restarts running jobs' stream TTLs: a job that starts sets
-        # its stream's TTL, so none needs it before a third of the TTL from now.
+        # When the heartbeat next renews running jobs' leases and restarts their streams' TTLs:
+        # a job that starts sets both, so none needs it before a third of the TTL from now.
+        self._leases_due = time.monotonic() + settings.lease_ttl_s / 3
         self._streams_due = time.monotonic() + settings.job_key_ttl_s / 3
         self.starter = JobStarter(
             settings=settings,
@@ -242,21 +243,24 @@ class JobRunner:
         return request_id is not None and self.engine.cancel(request_id)
 
     def renew_leases(self) -> None:
-        """Extend the lease of every job in flight here, and publish this worker's counters and
-        the model it serves.
+        """Publish this worker's counters and the model it serves; every third of their TTLs,
+        extend the lease and restart the event stream's TTL of every job in flight here.
 
         The heartbeat calls this every second; it also releases the leases this worker may
         still hold without knowing it (`StaleLeases`), and watches running jobs that have
-        pub/sub subscribers, so their deltas go out live.
+        pub/sub subscribers, so their deltas go out live. A lease or a stream needs no renewal
+        sooner: each job set both as it started, and a dead worker is noticed by its name's
+        claim, not its leases (`core.workernames`).
         """
         running = self._running.job_ids()
         stale = self._stale_leases.pending()
         pipe = self.redis.pipeline(transaction=False)
-        self.leases.renew(running, pipe)
-        if running and time.monotonic() >= self._streams_due:
-            # Deltas leave their stream's TTL as it is (core.events): a run longer than the TTL
-            # would lose its stream without this, a few times a TTL.
-            self._streams_due = time.monotonic() + self.publisher.ttl_s / 3
+        now = time.monotonic()
+        renewing = bool(running) and now >= self._leases_due
+        restarting = bool(running) and now >= self._streams_due
+        if renewing:
+            self.leases.renew(running, pipe)
+        if restarting:  # deltas leave their stream's TTL as it is (core.events)
             self.publisher.restart_ttls(running, pipe)
         self.leases.release(stale, pipe)
         counters = self.stats.as_mapping()
@@ -277,6 +281,10 @@ class JobRunner:
             pipe.pubsub_numsub(*(keys.job_events_channel(job_id) for job_id in running))
         replies = pipe.execute()
         self._stale_leases.forget(stale)
+        if renewing:
+            self._leases_due = now + self.settings.lease_ttl_s / 3
+        if restarting:
+            self._streams_due = now + self.publisher.ttl_s / 3
         if running and self.deltas is not None:
             for job_id, (_channel, subscribers) in zip(running, replies[-1], strict=True):
                 if subscribers:

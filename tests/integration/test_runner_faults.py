@@ -207,3 +207,20 @@ def test_the_heartbeat_keeps_a_running_jobs_stream_through_a_run_longer_than_its
     monkeypatch.setattr("workers.runner.time.monotonic", lambda: later)
     parts.runner.renew_leases()
     assert parts.redis.ttl(stream) > 5
+
+
+def test_the_heartbeat_renews_running_jobs_leases_every_third_of_their_ttl(
+    parts: Parts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not every second: a lease is the backstop behind the worker's name claim, and renewing
+    each running job's every second cost Redis more commands than the job's own work."""
+    job_id = parts.queued_job("Hold me.")
+    assert isinstance(parts.runner.starter.start_batch([job_id])[job_id], Started)
+    lease = keys.job_lease(job_id)
+    parts.redis.pexpire(lease, 5_000)
+    parts.runner.renew_leases()  # a heartbeat soon after the start leaves it
+    assert parts.redis.pttl(lease) <= 5_000
+    later = time.monotonic() + parts.runner.settings.lease_ttl_s / 3
+    monkeypatch.setattr("workers.runner.time.monotonic", lambda: later)
+    parts.runner.renew_leases()
+    assert parts.redis.pttl(lease) > 5_000

@@ -14,6 +14,10 @@ if ! command -v redis-server >/dev/null 2>&1; then
   if have_root_apt; then echo "services: installing redis-server"; apt_install redis-server
   else echo "services: redis-server is missing; install it (the tests start their own)"; exit 1; fi
 fi
+redis_version=$(redis-server --version | sed -n 's/.*v=\([0-9]*\.[0-9]*\).*/\1/p')
+if [ "$(printf '%s\n7.0\n' "$redis_version" | sort -V | head -1)" != "7.0" ]; then
+  echo "services: redis-server $redis_version is too old: inferq needs Redis 7.0 or later"; exit 1
+fi
 
 pg_up() { pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; }
 if ! command -v pg_isready >/dev/null 2>&1 && have_root_apt; then

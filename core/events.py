@@ -16,8 +16,9 @@ The stream entry of event `seq` has the id `0-<seq>` and holds the event without
 readers here add it), so "everything after event N" is an XREAD from `0-N`, and a job has ended
 when its stream's last entry is a final event (`ended_jobs`). A final event's job id is also
 published on `keys.FINAL_EVENTS_CHANNEL`, which is what waits for a job's end listen to (see
-`api.final_events`; one message names every job a call ended). The final event is also what
-takes the job off its key's concurrent jobs (see `core.quotas`), whichever process ends it.
+`api.final_events`; one message names every job a call ended). Publishing a final event also
+takes the job off its key's concurrent-jobs set (see `core.quotas`), whichever process ends
+the job.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from core import keys
 
 # Numbering, storing and publishing happen in one script so that two publishers (the API
 # cancelling a queued job, a worker finishing it) can never give out the same number. One call
-# publishes any number of events: KEYS holds 2 keys per event, ARGV the TTL and then 3 values per
+# publishes any number of events: KEYS holds 3 keys per event, ARGV the TTL and then 3 values per
 # event (body, kind, job id). A worker publishes a whole engine step's deltas in one call, not one
 # call per job. Redis numbers the entries (`XADD 0-*`, Redis 7.0); the entry keeps the body as
 # sent and readers take `seq` from its id. A stream's TTL restarts when the stream is made and
@@ -43,8 +44,8 @@ from core import keys
 _PUBLISH_SCRIPT = """
 local ttl = ARGV[1]
 local restarted, ended = {}, {}
-for i = 0, #KEYS / 2 - 1 do
-  local stream, channel = KEYS[2*i+1], KEYS[2*i+2]
+for i = 0, #KEYS / 3 - 1 do
+  local stream, channel, quota = KEYS[3*i+1], KEYS[3*i+2], KEYS[3*i+3]
   local body, kind, job_id = ARGV[3*i+2], ARGV[3*i+3], ARGV[3*i+4]
   local id = redis.call('XADD', stream, '0-*', 'e', body)
   local seq = string.sub(id, 3)
@@ -55,13 +56,19 @@ for i = 0, #KEYS / 2 - 1 do
   local payload = '{"seq":' .. seq .. ',' .. string.sub(body, 2)
   redis.call('PUBLISH', channel, payload)
   if kind == 'final' then
-    -- the waits for the job's end listen to one channel for every job so that deltas do not
-    -- wake them (`ended_jobs` tells whether a job ended before they began)
+    -- a final event: the waits for the job's end listen to one channel for every job so that
+    -- deltas do not wake them (`ended_jobs` tells whether a job ended before they began); the
+    -- job no longer counts against its key's concurrent jobs
     table.insert(ended, job_id)
+    local active = redis.call('GET', quota)
+    if active then
+      redis.call('ZREM', active, job_id)
+      redis.call('DEL', quota)
+    end
   end
 end
 if #ended > 0 then redis.call('PUBLISH', FINAL_EVENTS_CHANNEL, table.concat(ended, ' ')) end
-return #KEYS / 2
+return #KEYS / 3
 """.replace("FINAL_EVENTS_CHANNEL", f"'{keys.FINAL_EVENTS_CHANNEL}'")
 
 MAX_EVENTS_PER_CALL = 256
@@ -85,6 +92,7 @@ def _script_call(events: Sequence[Event], ttl_s: int) -> tuple[list[str], list[A
         script_keys += [
             keys.job_event_stream(job_id),
             keys.job_events_channel(job_id),
+            keys.job_quota_set(job_id),
         ]
         args += [encode_event(job_id, event_type, **fields), _kind(event_type), job_id]
     return script_keys, args

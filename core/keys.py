@@ -70,14 +70,18 @@ def job_lease(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:lease"
 
 
+def job_quota_set(job_id: str) -> str:
+    """Names the concurrency set of the key a job counts against (cleared by its final event)."""
+    return f"{PREFIX}:job:{job_id}:quota"
+
+
 def key_rate(key_id: int, kind: str) -> str:
     """A key's rate-limit state (`requests` or `tokens`): its theoretical arrival time."""
     return f"{PREFIX}:key:{key_id}:rate:{kind}"
 
 
 def key_active(key_id: int) -> str:
-    """Sorted set of a key's jobs, scored by deadline: the unfinished ones, and those that ended
-    since the set last looked full (`core.quotas`)."""
+    """Sorted set of a key's unfinished jobs, scored by deadline."""
     return f"{PREFIX}:key:{key_id}:active"
 
 

@@ -2,9 +2,8 @@
 
 Rates use GCRA (a token bucket that stores one timestamp): a key may spend a minute's worth at
 once, then at its steady rate. Concurrent jobs are a sorted set per key, scored by each job's
-deadline; a job that ended, its event stream ending with a final event (see `core.events`), is
-taken out when the set looks full, so ending a job costs nothing here; one whose final event was
-lost leaves at its deadline. One script checks all three and, only if every one admits the
+deadline; a job leaves it when its final event is published (see `core.events`), or at its
+deadline if that event was lost. One script checks all three and, only if every one admits the
 jobs, records them, so a refused request consumes nothing.
 """
 
@@ -18,10 +17,8 @@ import redis.asyncio as aioredis
 from core import keys
 from core.apikeys import Quota
 from core.errors import QuotaTooSmall, RateLimited
-from core.events import FINAL_EVENT_TYPES
 
 _ADMIT_SCRIPT = """
-local final_types = FINAL_TYPES
 local now = tonumber(ARGV[1])
 local rpm, tpm, max_active = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local count, tokens, ttl = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
@@ -45,34 +42,20 @@ if wait_tokens > 0 then return {'tokens', wait_tokens} end
 if max_active > 0 then
   if count > max_active then return {'concurrent', -1} end
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  local active = redis.call('ZCARD', KEYS[3])
-  if active + count > max_active then
-    -- jobs leave the set here, once their stream ends with a final event, not as they end
-    for _, job_id in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-      local last = redis.call('XREVRANGE', STREAM_PREFIX .. job_id .. STREAM_SUFFIX, '+', '-',
-        'COUNT', 1)[1]
-      if last and final_types[cjson.decode(last[2][2])['type']] then
-        redis.call('ZREM', KEYS[3], job_id)
-        active = active - 1
-      end
-    end
-    if active + count > max_active then return {'concurrent', 1000} end
-  end
+  if redis.call('ZCARD', KEYS[3]) + count > max_active then return {'concurrent', 1000} end
 end
 if tat_requests then redis.call('SET', KEYS[1], tat_requests, 'PX', 120000) end
 if tat_tokens then redis.call('SET', KEYS[2], tat_tokens, 'PX', 120000) end
 if max_active > 0 then
-  for i = 8, #ARGV, 2 do redis.call('ZADD', KEYS[3], ARGV[i + 1], ARGV[i]) end
+  -- each job remembers its set (keys.job_quota_set), so its final event can leave it
+  for i = 8, #ARGV, 2 do
+    redis.call('ZADD', KEYS[3], ARGV[i + 1], ARGV[i])
+    redis.call('SET', 'inferq:job:' .. ARGV[i] .. ':quota', KEYS[3], 'EX', ttl)
+  end
   redis.call('PEXPIRE', KEYS[3], ttl * 1000)
 end
 return {'ok', 0}
 """
-_STREAM_PREFIX, _, _STREAM_SUFFIX = keys.job_event_stream("{id}").partition("{id}")
-_ADMIT_SCRIPT = (
-    _ADMIT_SCRIPT.replace("STREAM_PREFIX", f"'{_STREAM_PREFIX}'")
-    .replace("STREAM_SUFFIX", f"'{_STREAM_SUFFIX}'")
-    .replace("FINAL_TYPES", "{" + ", ".join(f"{t} = true" for t in sorted(FINAL_EVENT_TYPES)) + "}")
-)
 
 
 @dataclass(frozen=True)

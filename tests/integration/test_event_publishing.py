@@ -1,26 +1,19 @@
 """Publishing many jobs' events in one script call: each job's stream is as if published alone.
 
 A worker publishes a whole engine step's deltas, and a batch's final events, in one call; this
-checks on a real Redis that numbering, the live channel, the streams' TTLs and the message that
-wakes the waits for job ends come out per job exactly as one call per event would leave them.
+checks on a real Redis that numbering, the live channel, the final event's key and the quota set
+come out per job exactly as one call per event would leave them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from pathlib import Path
 
-import pytest
 import redis
-import redis.asyncio as aioredis
 
 from core import keys
-from core.apikeys import Quota
-from core.errors import RateLimited
 from core.events import MAX_EVENTS_PER_CALL, EventPublisher, parse_events
-from core.quotas import Admission, QuotaLimiter
 from tests.support import command_calls, redis_server
 
 
@@ -32,6 +25,9 @@ def test_one_call_numbers_and_publishes_each_jobs_events_in_order(tmp_path: Path
     with redis_server(tmp_path) as server:
         client = redis.Redis.from_url(server.url)
         publisher = EventPublisher(client, ttl_s=60)
+        # job_a counts against a key's concurrent jobs until its final event.
+        client.set(keys.job_quota_set("job_a"), "quota:key1")
+        client.zadd("quota:key1", {"job_a": 1, "job_other": 1})
         publisher.publish("job_a", "status", status="running", attempt=1)
         listener = client.pubsub()
         listener.subscribe(keys.job_events_channel("job_a"), keys.job_events_channel("job_b"))
@@ -75,6 +71,9 @@ def test_one_call_numbers_and_publishes_each_jobs_events_in_order(tmp_path: Path
             ("job_a", 3),
             ("job_a", 4),
         ]
+        # job_a's final event took it off its key's quota set.
+        assert client.zrange("quota:key1", 0, -1) == [b"job_other"]
+        assert not client.exists(keys.job_quota_set("job_a"))
         assert 0 < client.ttl(keys.job_event_stream("job_b")) <= 60  # made by this call
         ended = [m["data"] for m in iter(lambda: ends.get_message(timeout=0.5), None)]
         assert ended == [b"job_a job_c"]
@@ -121,31 +120,3 @@ def test_a_streams_ttl_restarts_with_its_status_and_final_events_and_not_its_del
         publisher.publish("job_a", "done", status="succeeded")
         assert client.ttl(stream) > 30
         assert [e["seq"] for e in _events(client, "job_a")] == list(range(1, 9))
-
-
-def test_a_keys_concurrent_jobs_leave_its_set_once_their_stream_ends(tmp_path: Path) -> None:
-    """Ending a job costs its final event nothing for the quota: the next admission that finds
-    the key's set full takes out the jobs whose streams end with a final event."""
-    with redis_server(tmp_path) as server:
-        client = aioredis.Redis.from_url(server.url)
-        publisher = EventPublisher(redis.Redis.from_url(server.url), ttl_s=60)
-        limiter = QuotaLimiter(client, ttl_s=60)
-        quota = Quota(max_concurrent=2)
-
-        def job(job_id: str) -> Admission:
-            return Admission(job_id, tokens=10, deadline_s=time.time() + 600)
-
-        async def scenario() -> None:
-            await limiter.admit(1, quota, [job("job_a"), job("job_b")])
-            publisher.publish("job_a", "status", status="running", attempt=1)
-            publisher.publish("job_b", "delta", attempt=1, text="x", tokens=1)
-            with pytest.raises(RateLimited):  # both still count: neither has ended
-                await limiter.admit(1, quota, [job("job_c")])
-            publisher.publish("job_a", "done", status="succeeded")
-            await limiter.admit(1, quota, [job("job_c")])
-            assert sorted(await client.zrange(keys.key_active(1), 0, -1)) == [b"job_b", b"job_c"]
-            with pytest.raises(RateLimited):
-                await limiter.admit(1, quota, [job("job_d")])
-            await client.aclose()
-
-        asyncio.run(scenario())

@@ -164,7 +164,8 @@ WATCH_CHANNEL = f"{PREFIX}:watch"
 """Workers listen here for ids of jobs a reader has started to follow (see `job_watched`)."""
 
 FINAL_EVENTS_CHANNEL = f"{PREFIX}:final-events"
-"""Every job's final event is announced here as the bare job id (see `api.final_events`)."""
+"""Every job's final event is announced here by its job id, one message naming every job one
+publishing call ended, space-separated (see `api.final_events`)."""
 
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
 """Workers listen here for ids of running jobs to abort."""

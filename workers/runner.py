@@ -97,7 +97,7 @@ class JobRunner:
         # When the heartbeat next renews running jobs' leases and restarts their streams' TTLs:
         # a job that starts sets both, so none needs it before a third of the TTL from now.
         self._leases_due = time.monotonic() + settings.lease_ttl_s / 3
-        self._streams_due = time.monotonic() + settings.job_key_ttl_s / 3
+        self._streams_due = time.monotonic() + self.publisher.ttl_s / 3
         self.starter = JobStarter(
             settings=settings,
             store=store,

@@ -10,17 +10,23 @@ job's id resolves.
 
 A wait may begin after its job has ended, so it first checks whether the job's event stream
 ends with a final event (`core.events.ended_jobs`); the checks of the waits that begin together
-are one pipelined round trip. A final event published while the subscription is down (Redis
-restarting) is not lost either: after subscribing again, and every `SWEEP_S` while any wait is
-pending, the waiting jobs' streams are checked the same way.
+are one pipelined round trip. A caller that reads the jobs' state itself can spare that check:
+`watch` registers the waits *before* the read, and a job the read finds unended publishes its
+final event after it (every writer of a final state stores it first, then publishes), so
+while the subscription that was confirmed before the registration still stands, the event
+cannot be missed. A final event published while the subscription is down (Redis restarting)
+is not lost either: once Redis confirms the subscription again, and every `SWEEP_S` while any
+wait is pending, the waiting jobs' streams are checked the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 
 import redis.asyncio as aioredis
 
@@ -46,27 +52,41 @@ class FinalEvents:
         self._round: tuple[set[str], asyncio.Future[None]] | None = None
         """The job ids the next check will read, and the future it resolves."""
         self._checking: asyncio.Task[None] | None = None
+        self._subscription: int | None = None
+        """Which subscription Redis has confirmed and still holds (None: none now)."""
+        self._subscriptions = 0
 
     async def wait(self, job_ids: Collection[str], timeout_s: float) -> bool:
         """Wait until every one of the jobs has published its final event; False if `timeout_s`
         passes first. Raises a Redis error if Redis cannot be asked whether they have ended."""
-        if not job_ids:
-            return True
-        self._listen()
+        with self._registered(job_ids, subscription=None) as watch:  # read before: check
+            return await watch.wait(timeout_s)
+
+    @contextmanager
+    def watch(self, job_ids: Collection[str]) -> Iterator[Watch]:
+        """Register waits for the jobs' final events; read their state inside the block, then
+        `wait` on those still unended (see the module docstring)."""
+        with self._registered(job_ids, self._subscription) as watch:
+            yield watch
+
+    @contextmanager
+    def _registered(self, job_ids: Collection[str], subscription: int | None) -> Iterator[Watch]:
+        if job_ids:
+            self._listen()
         loop = asyncio.get_running_loop()
         futures = {job_id: loop.create_future() for job_id in job_ids}
         for job_id, future in futures.items():
             self._waiters.setdefault(job_id, []).append(future)
         try:
-            await self._check(futures)  # a job may have ended before its wait began
-            pending = [future for future in futures.values() if not future.done()]
-            if pending and timeout_s > 0:
-                _, left = await asyncio.wait(pending, timeout=timeout_s)
-                return not left
-            return not pending
+            yield Watch(self, futures, subscription)
         finally:
             for job_id, future in futures.items():
                 self._forget(job_id, future)
+
+    @property
+    def listening(self) -> bool:
+        """Whether Redis has confirmed the subscription and it still stands."""
+        return self._subscription is not None
 
     def pending(self) -> int:
         """Waits under way (one per job and wait)."""
@@ -130,17 +150,22 @@ class FinalEvents:
         """Resolve waits from the channel until cancelled, subscribing again after errors."""
         delay_s = RETRY_S[0]
         while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._redis.pubsub()
             try:
                 await pubsub.subscribe(keys.FINAL_EVENTS_CHANNEL)
-                delay_s = RETRY_S[0]
-                swept_at = 0.0  # what ended while unsubscribed is found by a sweep now
+                swept_at = math.inf  # until Redis confirms the subscription
                 while True:
-                    if self._waiters and time.monotonic() - swept_at >= self._sweep_s:
+                    if time.monotonic() - swept_at >= self._sweep_s:
                         swept_at = time.monotonic()
-                        await self._check(list(self._waiters))
+                        if self._waiters:
+                            await self._check(list(self._waiters))
                     message = await pubsub.get_message(timeout=self._sweep_s)
-                    if message is not None and message["type"] == "message":
+                    if message is not None and message["type"] == "subscribe":
+                        delay_s = RETRY_S[0]
+                        self._subscriptions += 1
+                        self._subscription = self._subscriptions
+                        swept_at = 0.0  # what ended while unsubscribed is found by a sweep now
+                    elif message is not None and message["type"] == "message":
                         data = message["data"]  # the ids of the jobs one call ended
                         text = data.decode() if isinstance(data, bytes) else str(data)
                         for job_id in text.split():
@@ -148,11 +173,42 @@ class FinalEvents:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis gone or restarting: the waits keep their timeouts
+                self._subscription = None
                 log.warning("final events: subscription lost (%r); again in %.1f s", exc, delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, RETRY_S[1])
             finally:
+                self._subscription = None
                 await asyncio.shield(_close(pubsub))
+
+
+class Watch:
+    """Waits registered for some jobs' final events (`FinalEvents.watch`)."""
+
+    def __init__(
+        self,
+        events: FinalEvents,
+        futures: dict[str, asyncio.Future[None]],
+        subscription: int | None,
+    ) -> None:
+        self._events = events
+        self._futures = futures
+        self._subscription = subscription
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait until every one of the jobs has published its final event; False if `timeout_s`
+        passes first. Raises a Redis error if Redis cannot be asked whether they have ended."""
+        if not self._futures:
+            return True
+        # Unless the subscription confirmed before the waits were registered still stands,
+        # a job may have ended unheard: its stream says.
+        if self._subscription is None or self._subscription != self._events._subscription:
+            await self._events._check(self._futures)
+        pending = [future for future in self._futures.values() if not future.done()]
+        if pending and timeout_s > 0:
+            _, left = await asyncio.wait(pending, timeout=timeout_s)
+            return not left
+        return not pending
 
 
 async def _close(pubsub: aioredis.client.PubSub) -> None:

@@ -131,13 +131,14 @@ async def get_job(
     wait: Annotated[float, Query(ge=0, le=MAX_WAIT_S)] = 0,
 ) -> JobOut:
     """The job; with `wait=N`, hold the request up to N seconds for it to reach a final state."""
-    job = await run_in_threadpool(services.jobs.get, job_id, principal.owner)
-    if job is None:
-        raise NotFound(f"No job with id '{job_id}'.", param="job_id")
-    if wait > 0 and not JobStatus(job.status).is_final:
-        await services.finals.wait([job_id], wait)
-        job = await services.reads.get(job_id)
-        assert job is not None
+    with services.finals.watch([job_id] if wait > 0 else ()) as finals:  # before the read
+        job = await run_in_threadpool(services.jobs.get, job_id, principal.owner)
+        if job is None:
+            raise NotFound(f"No job with id '{job_id}'.", param="job_id")
+        if wait > 0 and not JobStatus(job.status).is_final:
+            await finals.wait(wait)
+            job = await services.reads.get(job_id)
+            assert job is not None
     return JobOut.from_job(job)
 
 

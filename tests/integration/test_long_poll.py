@@ -111,3 +111,46 @@ def test_a_wait_survives_a_redis_restart(tmp_path: Path) -> None:
             await client.aclose()
 
         asyncio.run(scenario())
+
+
+def test_a_watch_registered_before_the_read_needs_no_check_while_its_subscription_stands(
+    tmp_path: Path,
+) -> None:
+    """A long poll registers its wait before it reads the job: an end the read did not see is
+    published after, on the subscription Redis confirmed before, so nothing reads the job's
+    stream. Registered before that confirmation, or with the subscription lost since, the wait
+    reads the stream, and an end published unheard still ends it."""
+    with redis_server(tmp_path) as server:
+        sync = redis.Redis.from_url(server.url)
+        publisher = EventPublisher(sync, ttl_s=60)
+        publisher.publish("job_early", "done", status="succeeded")  # before any subscription
+
+        async def scenario() -> None:
+            client = aioredis.Redis.from_url(server.url)
+            finals = FinalEvents(client, sweep_s=60)
+            checks = _calls(sync, "xrevrange")
+            with finals.watch(["job_early"]) as watch:  # nothing confirmed yet
+                assert await asyncio.wait_for(watch.wait(30), 10) is True
+            assert _calls(sync, "xrevrange") > checks
+            while not finals.listening:
+                await asyncio.sleep(0.01)
+
+            checks = _calls(sync, "xrevrange")
+            with finals.watch(["job_later"]) as watch:
+                # (the job's state is read here: it has not ended)
+                publisher.publish("job_later", "done", status="succeeded")
+                assert await asyncio.wait_for(watch.wait(30), 10) is True
+            with finals.watch(["job_never"]) as watch:
+                assert await watch.wait(0.3) is False
+            assert _calls(sync, "xrevrange") == checks
+            assert finals.pending() == 0
+
+            with finals.watch(["job_unheard"]) as watch:
+                sync.client_kill_filter(_type="pubsub")
+                publisher.publish("job_unheard", "done", status="succeeded")
+                assert await asyncio.wait_for(watch.wait(30), 10) is True
+            assert _calls(sync, "xrevrange") > checks
+            await finals.close()
+            await client.aclose()
+
+        asyncio.run(scenario())

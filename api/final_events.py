@@ -10,13 +10,17 @@ job's id resolves.
 
 A wait may begin after its job has ended, so it first checks whether the job's event stream
 ends with a final event (`core.events.ended_jobs`); the checks of the waits that begin together
-are one pipelined round trip. A caller that reads the jobs' state itself can spare that check:
-`watch` registers the waits *before* the read, and a job the read finds unended publishes its
-final event after it (every writer of a final state stores it first, then publishes), so
-while the subscription that was confirmed before the registration still stands, the event
-cannot be missed. A final event published while the subscription is down (Redis restarting)
-is not lost either: once Redis confirms the subscription again, and every `SWEEP_S` while any
-wait is pending, the waiting jobs' streams are checked the same way.
+are one pipelined round trip. A final event published while the subscription is down (Redis
+restarting) is not lost either: every time Redis confirms the subscription (at first, and after
+each reconnection, whether redis-py reconnected on its own or this module subscribed again),
+every wait registered by then is checked the same way, and again every `SWEEP_S` while any wait
+is pending.
+
+A caller that reads the jobs' state itself can spare the first check: `watch` registers the
+waits *before* the read, and a job the read finds unended publishes its final event after it
+(every writer of a final state stores it first, then publishes). So if Redis had confirmed the
+subscription before the registration and has not confirmed another since, the event comes on
+that subscription or, were it lost meanwhile, the check at the next confirmation finds it.
 """
 
 from __future__ import annotations
@@ -52,25 +56,26 @@ class FinalEvents:
         self._round: tuple[set[str], asyncio.Future[None]] | None = None
         """The job ids the next check will read, and the future it resolves."""
         self._checking: asyncio.Task[None] | None = None
-        self._subscription: int | None = None
-        """Which subscription Redis has confirmed and still holds (None: none now)."""
-        self._subscriptions = 0
+        self._confirmed: int | None = None
+        """The number of Redis's last confirmation of the subscription (None: lost since)."""
+        self._confirmations = 0
 
     async def wait(self, job_ids: Collection[str], timeout_s: float) -> bool:
         """Wait until every one of the jobs has published its final event; False if `timeout_s`
         passes first. Raises a Redis error if Redis cannot be asked whether they have ended."""
-        with self._registered(job_ids, subscription=None) as watch:  # read before: check
+        # The jobs' state was read before this registration: their streams are checked.
+        with self._registered(job_ids, confirmed=None) as watch:
             return await watch.wait(timeout_s)
 
     @contextmanager
     def watch(self, job_ids: Collection[str]) -> Iterator[Watch]:
         """Register waits for the jobs' final events; read their state inside the block, then
         `wait` on those still unended (see the module docstring)."""
-        with self._registered(job_ids, self._subscription) as watch:
+        with self._registered(job_ids, self._confirmed) as watch:
             yield watch
 
     @contextmanager
-    def _registered(self, job_ids: Collection[str], subscription: int | None) -> Iterator[Watch]:
+    def _registered(self, job_ids: Collection[str], confirmed: int | None) -> Iterator[Watch]:
         if job_ids:
             self._listen()
         loop = asyncio.get_running_loop()
@@ -78,7 +83,7 @@ class FinalEvents:
         for job_id, future in futures.items():
             self._waiters.setdefault(job_id, []).append(future)
         try:
-            yield Watch(self, futures, subscription)
+            yield Watch(self, futures, confirmed)
         finally:
             for job_id, future in futures.items():
                 self._forget(job_id, future)
@@ -86,7 +91,7 @@ class FinalEvents:
     @property
     def listening(self) -> bool:
         """Whether Redis has confirmed the subscription and it still stands."""
-        return self._subscription is not None
+        return self._confirmed is not None
 
     def pending(self) -> int:
         """Waits under way (one per job and wait)."""
@@ -107,6 +112,14 @@ class FinalEvents:
         futures.remove(future)
         if not futures:
             del self._waiters[job_id]
+
+    async def _check_unless_confirmed(
+        self, futures: dict[str, asyncio.Future[None]], confirmed: int | None
+    ) -> None:
+        """Check the jobs' streams unless Redis has confirmed no subscription since `confirmed`
+        (see the module docstring)."""
+        if confirmed is None or confirmed != self._confirmed:
+            await self._check(futures)
 
     def _ended(self, job_id: str) -> None:
         for future in self._waiters.get(job_id, ()):
@@ -162,9 +175,9 @@ class FinalEvents:
                     message = await pubsub.get_message(timeout=self._sweep_s)
                     if message is not None and message["type"] == "subscribe":
                         delay_s = RETRY_S[0]
-                        self._subscriptions += 1
-                        self._subscription = self._subscriptions
-                        swept_at = 0.0  # what ended while unsubscribed is found by a sweep now
+                        self._confirmations += 1
+                        self._confirmed = self._confirmations
+                        swept_at = -math.inf  # what ended unheard is found by a sweep now
                     elif message is not None and message["type"] == "message":
                         data = message["data"]  # the ids of the jobs one call ended
                         text = data.decode() if isinstance(data, bytes) else str(data)
@@ -173,12 +186,12 @@ class FinalEvents:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis gone or restarting: the waits keep their timeouts
-                self._subscription = None
+                self._confirmed = None
                 log.warning("final events: subscription lost (%r); again in %.1f s", exc, delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, RETRY_S[1])
             finally:
-                self._subscription = None
+                self._confirmed = None
                 await asyncio.shield(_close(pubsub))
 
 
@@ -189,21 +202,19 @@ class Watch:
         self,
         events: FinalEvents,
         futures: dict[str, asyncio.Future[None]],
-        subscription: int | None,
+        confirmed: int | None,
     ) -> None:
         self._events = events
         self._futures = futures
-        self._subscription = subscription
+        self._confirmed = confirmed
+        """The subscription Redis had confirmed when these waits were registered."""
 
     async def wait(self, timeout_s: float) -> bool:
         """Wait until every one of the jobs has published its final event; False if `timeout_s`
         passes first. Raises a Redis error if Redis cannot be asked whether they have ended."""
         if not self._futures:
             return True
-        # Unless the subscription confirmed before the waits were registered still stands,
-        # a job may have ended unheard: its stream says.
-        if self._subscription is None or self._subscription != self._events._subscription:
-            await self._events._check(self._futures)
+        await self._events._check_unless_confirmed(self._futures, self._confirmed)
         pending = [future for future in self._futures.values() if not future.done()]
         if pending and timeout_s > 0:
             _, left = await asyncio.wait(pending, timeout=timeout_s)

@@ -118,8 +118,9 @@ def test_a_watch_registered_before_the_read_needs_no_check_while_its_subscriptio
 ) -> None:
     """A long poll registers its wait before it reads the job: an end the read did not see is
     published after, on the subscription Redis confirmed before, so nothing reads the job's
-    stream. Registered before that confirmation, or with the subscription lost since, the wait
-    reads the stream, and an end published unheard still ends it."""
+    stream. Registered before any confirmation, the wait reads the stream; with the
+    subscription lost after the registration, an end published unheard still ends the wait
+    (the waits are checked when Redis confirms the subscription again)."""
     with redis_server(tmp_path) as server:
         sync = redis.Redis.from_url(server.url)
         publisher = EventPublisher(sync, ttl_s=60)
@@ -132,8 +133,11 @@ def test_a_watch_registered_before_the_read_needs_no_check_while_its_subscriptio
             with finals.watch(["job_early"]) as watch:  # nothing confirmed yet
                 assert await asyncio.wait_for(watch.wait(30), 10) is True
             assert _calls(sync, "xrevrange") > checks
-            while not finals.listening:
+            for _ in range(1000):
+                if finals.listening:
+                    break
                 await asyncio.sleep(0.01)
+            assert finals.listening
 
             checks = _calls(sync, "xrevrange")
             with finals.watch(["job_later"]) as watch:

@@ -142,6 +142,14 @@ class StoredPrefixes:
             for job in jobs
         }
 
+    def text(self, job: Job) -> str:
+        """The text of the job's prefix ('' without one; read by `prompts` already)."""
+        if job.prompt_prefix_id is None:
+            return ""
+        with self._lock:
+            entry = self._read.get(job.prompt_prefix_id)
+        return "" if entry is None else entry[0]
+
     def shared(self, job: Job) -> tuple[str, int] | None:
         """The job's prefix and its tokens, if it has one (read by `prompts` already)."""
         if job.prompt_prefix_id is None:

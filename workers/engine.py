@@ -28,6 +28,7 @@ from core.settings import Settings
 from core.states import JobStatus
 from workers.devices import cpu_has_native_bf16, lower_engine_core_priority
 from workers.generation import Delta, DeltaSink, GenerationRequest, GenerationResult
+from workers.prompt_ids import PrefixTokens
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class VllmEngine:
         self._pending: set[str] = set()
         self._lock = threading.Lock()
         self._llm: Any = None
+        self._prefix_tokens: PrefixTokens | None = None  # used on the loop's thread only
         self._on_deltas = on_deltas
         # Deltas of the current engine step; handed to the sink once the step's outputs are in.
         self._step: list[Delta] = []
@@ -152,6 +154,8 @@ class VllmEngine:
 
         loggers = None if self._stats_label is None else [_gauges_logger(self._stats_label)]
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args), stat_loggers=loggers)
+        tokenizer = self._llm.tokenizer
+        self._prefix_tokens = None if tokenizer is None else PrefixTokens(tokenizer)
 
     def _run(self, coro: Coroutine[Any, Any, Any]) -> Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -203,7 +207,7 @@ class VllmEngine:
             )
             async with asyncio.timeout(request.timeout_s):
                 stream = self._llm.generate(
-                    request.prompt,
+                    self._engine_prompt(request),
                     params,
                     request.request_id,
                     priority=request.priority,
@@ -239,6 +243,20 @@ class VllmEngine:
             self._flush_step()
         result.text = "".join(result.chunks)
         return result
+
+    def _engine_prompt(self, request: GenerationRequest) -> Any:
+        """The prompt's text, or its token ids where its shared prefix's are known."""
+        prefix = request.shared_prefix
+        if not prefix or request.adapter is not None or self._prefix_tokens is None:
+            return request.prompt  # an adapter may bring a tokenizer of its own
+        if not request.prompt.startswith(prefix):
+            return request.prompt
+        ids = self._prefix_tokens.ids(prefix, request.prompt[len(prefix) :])
+        if ids is None:
+            return request.prompt
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=ids)
 
     def _add_delta(self, delta: Delta) -> None:
         if self._on_deltas is None:

@@ -25,6 +25,9 @@ class GenerationRequest:
     attempt: int = 0
     adapter: Adapter | None = None
     """The LoRA adapter to run with; None: the base model."""
+    shared_prefix: str = ""
+    """The beginning of `prompt` that other jobs' prompts share (a Q&A batch's document), cut at
+    a token's start: the engine may tokenize it once for all of them (`workers.prompt_ids`)."""
 
 
 @dataclass

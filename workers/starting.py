@@ -264,6 +264,7 @@ class JobStarter:
             job_id=job.id,
             attempt=job.attempt,
             adapter=adapter,
+            shared_prefix=self._prefixes.text(job),
         )
         self._running.add(job.id, request.request_id)
         generation, merged = self.engine.submit_merging(request)

@@ -28,6 +28,8 @@ class GenerationRequest:
     shared_prefix: str = ""
     """The beginning of `prompt` that other jobs' prompts share (a Q&A batch's document), cut at
     a token's start: the engine may tokenize it once for all of them (`workers.prompt_ids`)."""
+    prompt_tokens: int | None = None
+    """The API's count of `prompt`'s tokens, where it has one."""
 
 
 @dataclass

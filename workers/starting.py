@@ -264,7 +264,9 @@ class JobStarter:
             job_id=job.id,
             attempt=job.attempt,
             adapter=adapter,
-            shared_prefix=self._prefixes.text(job),
+            # A continuation's prompt has the streamed text too: tokenized whole, as before.
+            shared_prefix=self._prefixes.text(job) if resume is None else "",
+            prompt_tokens=job.prompt_tokens if resume is None else None,
         )
         self._running.add(job.id, request.request_id)
         generation, merged = self.engine.submit_merging(request)

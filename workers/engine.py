@@ -251,9 +251,7 @@ class VllmEngine:
             return request.prompt  # an adapter may bring a tokenizer of its own
         if not request.prompt.startswith(prefix):
             return request.prompt
-        ids = self._prefix_tokens.ids(
-            prefix, request.prompt[len(prefix) :], request.prompt_tokens
-        )
+        ids = self._prefix_tokens.ids(prefix, request.prompt[len(prefix) :], request.prompt_tokens)
         if ids is None:
             return request.prompt
         from vllm.inputs import TokensPrompt

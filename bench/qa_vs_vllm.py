@@ -297,10 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work_dir, ignore_errors=True)
 
     results = {label: summary(runs[label]) for label in SYSTEMS}
+    # A round in which some of inferq's questions failed or timed out is no comparison: its
+    # wall time is the time to give up on them, not to answer them.
+    whole = [run["succeeded"] == len(asked) for run in runs["inferq"]]
+    if not any(whole):
+        print(f"\nno round answered every question: {results['inferq']['succeeded']}")
+        return 1
     ratios = {
         label: [
             round(mine["wall_s"] / theirs["wall_s"], 3)
-            for mine, theirs in zip(runs["inferq"], runs[label], strict=True)
+            for mine, theirs, counted in zip(runs["inferq"], runs[label], whole, strict=True)
+            if counted
         ]
         for label in SYSTEMS[1:]
     }
@@ -315,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     for label, values in ratios.items():
         print(f"inferq / {label}: {statistics.median(values):.2f} (rounds: {values})")
+    if not all(whole):
+        print(f"rounds left out of the ratios, not every question answered: {whole}")
     print(f"answers that shared another's engine run: {results['inferq']['shared_run']}")
     args.out.mkdir(parents=True, exist_ok=True)
     chart = args.out / "qa_vs_vllm.png"
@@ -329,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios={
             label: {"rounds": v, "median": statistics.median(v)} for label, v in ratios.items()
         },
+        rounds_counted=whole,
     )
     return 0
 

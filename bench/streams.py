@@ -3,14 +3,15 @@ the same jobs streamed by vLLM's own server.
 
 Runs the same jobs on one local stack, side by side in one run: once watched by nobody
 (clients long-poll for the result), once with one live `GET /v1/jobs/{id}/events` reader per
-job; then (unless `--no-vllm`) as streaming `/v1/completions` requests to vLLM's own server
-on the worker's engine arguments, all at once. Stream latency is the time from the engine step
-that made a token (the delta's `at`) to the moment the SSE client has parsed the event carrying
-it; events made before their reader connected are replay, not latency, and are left out.
-vLLM's server says nothing of when it made a token, so the measure both share is the client's:
-the gap between consecutive text-bearing events of one stream (the stutter a reader sees,
-vLLM's own "inter-token latency" for chunked streams), and the time from submission to the
-first text.
+job; then (unless `--no-vllm`) as `/v1/completions` requests to vLLM's own server on the
+worker's engine arguments, all at once, streamed and not. Each mode records the CPU seconds of
+each process role (the benchmark process is the clients): what readers cost, and where.
+Stream latency is the time from the engine step that made a token (the delta's `at`) to the
+moment the SSE client has parsed the event carrying it; events made before their reader
+connected are replay, not latency, and are left out. vLLM's server says nothing of when it
+made a token, so the measure both share is the client's: the gap between consecutive
+text-bearing events of one stream (the stutter a reader sees, vLLM's own "inter-token latency"
+for chunked streams), and the time from submission to the first text.
 
 Run: `.venv/bin/python bench/streams.py [--jobs 64 --max-tokens 256 --out bench/results]`.
 """
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -35,6 +37,8 @@ from report import (
     add_model_argument,
     bench_model,
     bench_settings,
+    cpu_use,
+    descendants,
     machine_info,
     model_facts,
     model_line,
@@ -64,6 +68,8 @@ class StreamRun:
     """From submission to the first text at the client, per stream."""
     events: int = 0
     deltas_match: bool = True
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds by process role during the mode (see `report.process_role`)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,6 +92,7 @@ class StreamRun:
             "chunk_gap_p99_ms": round(percentile(self.gaps_s, 99) * 1000, 2),
             "first_text_p50_s": round(percentile(self.first_text_s, 50), 4),
             "streamed_text_equals_stored": self.deltas_match,
+            "cpu_s": self.cpu_s,
         }
 
 
@@ -194,9 +201,11 @@ async def run_mode(
     return run
 
 
-async def run_vllm(url: str, model: str, jobs: int, max_tokens: int) -> StreamRun:
-    """The same jobs as streaming completions on vLLM's own server, all sent at once."""
-    run = StreamRun("vLLM server, streamed", jobs)
+async def run_vllm(
+    url: str, model: str, jobs: int, max_tokens: int, *, stream: bool = True
+) -> StreamRun:
+    """The same jobs as completions on vLLM's own server, all sent at once."""
+    run = StreamRun("vLLM server, " + ("streamed" if stream else "not streamed"), jobs)
     connector = aiohttp.TCPConnector(limit=jobs + 8)
     timeout = aiohttp.ClientTimeout(total=600)
     ends: list[float] = []
@@ -207,12 +216,16 @@ async def run_vllm(url: str, model: str, jobs: int, max_tokens: int) -> StreamRu
             "prompt": f"Stream {index}.",
             "max_tokens": max_tokens,
             "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+            "stream": stream,
+        } | ({"stream_options": {"include_usage": True}} if stream else {})
         arrivals: list[float] = []
         async with session.post("/v1/completions", json=body) as response:
             response.raise_for_status()
+            if not stream:
+                run.tokens += (await response.json())["usage"]["completion_tokens"]
+                run.succeeded += 1
+                ends.append(time.time())
+                return
             async for raw in response.content:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -242,9 +255,10 @@ def save_chart(runs: list[StreamRun], title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
-    colors = ["#4c72b0", "#dd8452", "#55a868"][: len(runs)]
+    colors = ["#4c72b0", "#dd8452", "#8c8c8c", "#55a868"][: len(runs)]
     bars = left.bar([r.mode for r in runs], [r.tokens_per_s for r in runs], color=colors)
     left.bar_label(bars, fmt="%.0f")
+    left.tick_params(axis="x", labelrotation=15)
     left.set_ylabel("completion tokens / s")
     left.set_title("Generation throughput")
     for run in runs:
@@ -286,19 +300,34 @@ def main(argv: list[str] | None = None) -> int:
         f"workload: {args.jobs} jobs x {args.max_tokens} tokens, ignore_eos, one batch POST\n",
         flush=True,
     )
+    runs: list[StreamRun] = []
+    before = descendants()
     with running_stack(settings, free_port()) as (api_url, key, _):
+        measured = descendants() - before | {os.getpid()}
         warm = asyncio.run(run_mode(api_url, key, 4, 8, readers=True))
         assert warm.succeeded == 4, "warm-up failed"
-        runs = [
-            asyncio.run(run_mode(api_url, key, args.jobs, args.max_tokens, readers=False)),
-            asyncio.run(run_mode(api_url, key, args.jobs, args.max_tokens, readers=True)),
-        ]
+        for readers in (False, True):
+            with cpu_use(measured) as used:
+                run = asyncio.run(
+                    run_mode(api_url, key, args.jobs, args.max_tokens, readers=readers)
+                )
+            runs.append(run)
+            run.cpu_s = used
     if not args.no_vllm:
         from vllm_server import vllm_server
 
         with vllm_server(settings, free_port(), work_dir / "vllm-server.log") as (url, _pid):
+            measured = descendants() - before | {os.getpid()}
             asyncio.run(run_vllm(url, settings.model_name, 4, 8))  # warm-up
-            runs.append(asyncio.run(run_vllm(url, settings.model_name, args.jobs, args.max_tokens)))
+            for stream in (False, True):
+                with cpu_use(measured) as used:
+                    run = asyncio.run(
+                        run_vllm(
+                            url, settings.model_name, args.jobs, args.max_tokens, stream=stream
+                        )
+                    )
+                runs.append(run)
+                run.cpu_s = used
     shutil.rmtree(work_dir, ignore_errors=True)
 
     quiet, watched = runs[:2]
@@ -319,12 +348,19 @@ def main(argv: list[str] | None = None) -> int:
             f"{summary['first_text_p50_s']:>17.3f}{summary['chunk_gap_p50_ms']:>11.1f}"
             f"{summary['chunk_gap_p99_ms']:>11.1f}{latency:>24}"
         )
+    print("\nCPU seconds by process role (the benchmark process is the clients)")
+    for run in runs:
+        print(f"{run.mode:<22}" + ", ".join(f"{k} {v:.2f}" for k, v in sorted(run.cpu_s.items())))
     match = watched.deltas_match
     print(f"\nthroughput with readers / without = {ratio:.2f}; streamed == stored: {match}")
     extra = {}
-    if len(runs) == 3:
-        gap_ratio = percentile(watched.gaps_s, 99) / percentile(runs[2].gaps_s, 99)
+    if len(runs) == 4:
+        vllm_quiet, vllm_streamed = runs[2:]
+        vllm_ratio = vllm_streamed.tokens_per_s / vllm_quiet.tokens_per_s
+        gap_ratio = percentile(watched.gaps_s, 99) / percentile(vllm_streamed.gaps_s, 99)
+        print(f"vLLM's server, streamed / not streamed = {vllm_ratio:.2f}")
         print(f"gap p99, inferq / vLLM's server = {gap_ratio:.2f}")
+        extra["vllm_throughput_ratio_streamed"] = round(vllm_ratio, 4)
         extra["chunk_gap_p99_inferq_over_vllm"] = round(gap_ratio, 4)
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from celery import Celery
 
 from api.admission import QueueStateReader
 from api.batcher import SubmissionBatcher
+from api.event_relay import REDIS_PATIENCE_S, EventRelay
 from api.final_events import FinalEvents
 from api.job_reads import JobReads
 from core.adapters import AdapterStore
@@ -71,6 +72,7 @@ class Services:
     quotas: QuotaLimiter
     queue_state: QueueStateReader
     finals: FinalEvents
+    relay: EventRelay
     reads: JobReads
     adapters: AdapterStore
 
@@ -80,9 +82,9 @@ class Services:
         db = Database(settings.sqlalchemy_url)
         jobs = JobStore(db)
         celery = make_celery_app(settings)
-        # Every live stream blocks one connection in XREAD (waits for a job's end share one
-        # subscription, see `api.final_events`); past the pool's size a request waits up to
-        # 5 s for one rather than failing at once.
+        # Live streams share one connection (`api.event_relay`), waits for a job's end one
+        # subscription (`api.final_events`); past the pool's size a request waits up to 5 s
+        # for a connection rather than failing at once.
         client = async_client(
             settings.redis_url,
             max_connections=settings.api_redis_connections,
@@ -116,6 +118,17 @@ class Services:
             quotas=QuotaLimiter(client, settings.job_key_ttl_s),
             queue_state=QueueStateReader(client, settings.lanes),
             finals=FinalEvents(client),
+            relay=EventRelay(
+                async_client(
+                    settings.redis_url,
+                    max_connections=1,
+                    timeout=5,
+                    socket_connect_timeout=2,
+                    socket_timeout=10,
+                ),
+                client,
+                patience_s=REDIS_PATIENCE_S,
+            ),
             reads=JobReads(jobs),
             adapters=AdapterStore(db),
         )
@@ -129,5 +142,6 @@ class Services:
         """Stop taking submissions and release connections."""
         await self.submissions.stop()
         await self.finals.close()
+        await self.relay.close()
         await self.redis.aclose()
         self.celery.close()

@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.cancelling import cancel_job
+from api.event_relay import REDIS_PATIENCE_S
 from api.services import Services
 from core.errors import InvalidRequest, JobAlreadyFinal
 from core.events import is_final, read_events, watch_job
@@ -29,10 +30,6 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 5.0
 """How often an idle stream sends a keep-alive (and rechecks the job's row)."""
-
-REDIS_PATIENCE_S = 30.0
-"""How long a stream waits out Redis errors (a dropped connection, a server starved of CPU, a
-failover) before it gives up and closes; its reader then resumes with Last-Event-ID."""
 
 _RETRY_EVERY_S = 0.5
 
@@ -76,6 +73,7 @@ async def follow_events(
 
     With `watch`, the job's worker publishes its deltas live (see `workers.streams`); without,
     they may come as one delta at the end, which is all a reader waiting for the result needs.
+    Live events come through the process's `api.event_relay.EventRelay`.
     """
     last = after_seq
     # A job already final: replay what is there without waiting.
@@ -92,38 +90,39 @@ async def follow_events(
                 return
     if watch:
         await watch_job(services.redis, job.id, services.settings.job_key_ttl_s)
-    idle_since = time.monotonic()
-    while True:
-        block_ms = int(max(0.001, heartbeat_s - (time.monotonic() - idle_since)) * 1000)
-        events = await _read(services, job.id, last, block_ms=block_ms)
-        for event in events:
-            last = event["seq"]
-            yield event
-            if is_final(event):
-                return
-        if events:
-            idle_since = time.monotonic()
-            continue
-        if time.monotonic() - idle_since >= heartbeat_s:
-            idle_since = time.monotonic()
-            current = await run_in_threadpool(services.jobs.get, job.id)
-            if current is not None and JobStatus(current.status).is_final:
-                # One more read: the final event may have landed since the last one.
-                events = await _read(services, job.id, last, block_ms=None)
-                for event in events:
-                    last = event["seq"]
-                    yield event
-                    if is_final(event):
-                        return
-                yield final_event_from_row(current, last + 1)
-                return
-            yield None
+    async with services.relay.follow(job.id, last) as follow:
+        idle_since = time.monotonic()
+        while True:
+            events = await follow.next(heartbeat_s - (time.monotonic() - idle_since))
+            for event in events:
+                last = event["seq"]
+                yield event
+                if is_final(event):
+                    return
+            if events:
+                idle_since = time.monotonic()
+                continue
+            if time.monotonic() - idle_since >= heartbeat_s:
+                idle_since = time.monotonic()
+                current = await run_in_threadpool(services.jobs.get, job.id)
+                if current is not None and JobStatus(current.status).is_final:
+                    # One more read: the final event may have landed since the last one.
+                    events = await _read(services, job.id, last, block_ms=None)
+                    for event in events:
+                        last = event["seq"]
+                        yield event
+                        if is_final(event):
+                            return
+                    yield final_event_from_row(current, last + 1)
+                    return
+                yield None
 
 
 async def _read(
     services: Services, job_id: str, after_seq: int, *, block_ms: int | None
 ) -> list[dict[str, Any]]:
-    """`read_events`, tried again while Redis fails for up to `REDIS_PATIENCE_S`.
+    """`read_events`, tried again while Redis fails for up to `REDIS_PATIENCE_S` (the relay
+    waits as long for live events).
 
     Reading is safe to repeat, and a reader would otherwise lose its stream to a moment's
     outage: a connection dropped, or Redis (or this process) starved of CPU past the socket's

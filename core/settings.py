@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     api_redis_connections: int = Field(
         default=2000,
         ge=10,
-        description="Redis connections per API process; each live stream holds one.",
+        description="Redis connections per API process (live streams share one of their own).",
     )
     stream_interval_ms: int = Field(
         default=50,

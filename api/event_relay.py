@@ -112,7 +112,7 @@ class EventRelay:
         self._joined = asyncio.Event()
         self._client_id: int | None = None
         self._reading: dict[str, int] | None = None  # the XREAD under way: job id -> from
-        self._rounds = 0
+        self._left_out = False  # a reader joined that the XREAD under way does not serve
         self._unblocking: asyncio.Task[None] | None = None
         self.xreads = 0
 
@@ -125,6 +125,7 @@ class EventRelay:
         self._joined.set()
         reading = self._reading  # a blocked XREAD without this place is ended
         if reading is not None and (job_id not in reading or reading[job_id] > after_seq):
+            self._left_out = True
             self._unblock()
         try:
             yield follow
@@ -137,16 +138,16 @@ class EventRelay:
 
     async def close(self) -> None:
         """Stop reading; the readers left get no more events."""
-        # redis-py lets a cancelled command finish reading its reply: end the block first.
+        # A cancelled XREAD can wait out its block (seen here): end the block first.
         if self._reading is not None and self._client_id is not None:
-            with contextlib.suppress(redis.exceptions.RedisError):
-                await self._client.client_unblock(self._client_id)
+            with contextlib.suppress(redis.exceptions.RedisError, TimeoutError):
+                await asyncio.wait_for(self._client.client_unblock(self._client_id), 1)
         for task in (self._task, self._unblocking):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         self._task = self._unblocking = None
-        await self._relay_client.aclose()
+        await self._relay_client.aclose(close_connection_pool=True)
 
     def _leave(self, follow: Follow) -> None:
         follows = self._follows.get(follow.job_id)
@@ -161,16 +162,18 @@ class EventRelay:
 
     def _unblock(self) -> None:
         if self._unblocking is None or self._unblocking.done():
-            self._unblocking = asyncio.ensure_future(self._unblock_round(self._rounds))
+            self._unblocking = asyncio.ensure_future(self._unblock_reading())
 
-    async def _unblock_round(self, round_: int) -> None:
-        """End the blocking XREAD of round `round_`, so that the next includes new readers.
+    async def _unblock_reading(self) -> None:
+        """End the blocking XREAD while a reader it does not serve waits, so that the next
+        includes it.
 
         The XREAD may not have reached Redis yet: then nothing is unblocked, and this tries
-        again while that round lasts."""
+        again. Missing every time, the relay's id is read again before its next XREAD (its
+        connection may have been replaced without an error)."""
         for _ in range(_UNBLOCK_TRIES):
             client_id = self._client_id
-            if self._rounds != round_ or client_id is None:
+            if not self._left_out or self._reading is None or client_id is None:
                 return
             try:
                 if await self._client.client_unblock(client_id):
@@ -179,6 +182,7 @@ class EventRelay:
                 log.debug("event relay: CLIENT UNBLOCK failed", exc_info=True)
                 return
             await asyncio.sleep(_UNBLOCK_EVERY_S)
+        self._client_id = None
 
     async def _run(self) -> None:
         delay_s = RETRY_S[0]
@@ -186,11 +190,13 @@ class EventRelay:
         while True:
             if not self._follows:
                 self._joined.clear()
+                self._client_id = None  # an idle connection may be replaced silently
                 await self._joined.wait()
             try:
                 if self._client_id is None:
                     self._client_id = int(await self._relay_client.client_id())
                 after, reply = await self._read_round()
+                self._hand_out(after, reply)
             except redis.exceptions.RedisError as exc:
                 self._client_id = None
                 now = time.monotonic()
@@ -209,7 +215,6 @@ class EventRelay:
                 await asyncio.sleep(RETRY_S[1])
                 continue
             delay_s, failing_since = RETRY_S[0], None
-            self._hand_out(after, reply)
 
     async def _read_round(self) -> tuple[dict[str, int], Any]:
         """One XREAD over every followed stream, from the earliest place of its readers: the
@@ -218,7 +223,7 @@ class EventRelay:
             job_id: min(follow.after for follow in follows)
             for job_id, follows in self._follows.items()
         }
-        self._reading = after
+        self._reading, self._left_out = after, False
         try:
             self.xreads += 1
             reply = await self._relay_client.xread(
@@ -228,7 +233,6 @@ class EventRelay:
             )
         finally:
             self._reading = None
-            self._rounds += 1
         return after, reply
 
     def _hand_out(self, after: dict[str, int], reply: Any) -> None:

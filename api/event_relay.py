@@ -114,7 +114,6 @@ class EventRelay:
         self._reading: dict[str, int] | None = None  # the XREAD under way: job id -> from
         self._left_out = False  # a reader joined that the XREAD under way does not serve
         self._unblocking: asyncio.Task[None] | None = None
-        self.xreads = 0
 
     @contextlib.asynccontextmanager
     async def follow(self, job_id: str, after_seq: int) -> AsyncIterator[Follow]:
@@ -225,7 +224,6 @@ class EventRelay:
         }
         self._reading, self._left_out = after, False
         try:
-            self.xreads += 1
             reply = await self._relay_client.xread(
                 {keys.job_event_stream(job_id): stream_id(seq) for job_id, seq in after.items()},
                 block=self._max_block_ms,

@@ -79,7 +79,7 @@ async def follow_events(
     # A job already final: replay what is there without waiting.
     if JobStatus(job.status).is_final:
         while True:
-            events = await _read(services, job.id, last, block_ms=None)
+            events = await _read(services, job.id, last)
             for event in events:
                 last = event["seq"]
                 yield event
@@ -107,7 +107,7 @@ async def follow_events(
                 current = await run_in_threadpool(services.jobs.get, job.id)
                 if current is not None and JobStatus(current.status).is_final:
                     # One more read: the final event may have landed since the last one.
-                    events = await _read(services, job.id, last, block_ms=None)
+                    events = await _read(services, job.id, last)
                     for event in events:
                         last = event["seq"]
                         yield event
@@ -118,9 +118,7 @@ async def follow_events(
                 yield None
 
 
-async def _read(
-    services: Services, job_id: str, after_seq: int, *, block_ms: int | None
-) -> list[dict[str, Any]]:
+async def _read(services: Services, job_id: str, after_seq: int) -> list[dict[str, Any]]:
     """`read_events`, tried again while Redis fails for up to `REDIS_PATIENCE_S` (the relay
     waits as long for live events).
 
@@ -131,7 +129,7 @@ async def _read(
     failing_since: float | None = None
     while True:
         try:
-            return await read_events(services.redis, job_id, after_seq, block_ms=block_ms)
+            return await read_events(services.redis, job_id, after_seq)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
             now = time.monotonic()
             if failing_since is None:

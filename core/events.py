@@ -74,8 +74,6 @@ return #KEYS / 3
 MAX_EVENTS_PER_CALL = 256
 """Events per script call: Redis runs a script alone, so very long ones would stall others."""
 
-_MAX_BLOCK_MS = 2000
-
 
 FINAL_EVENT_TYPES = frozenset({"done", "error", "cancelled", "timed_out"})
 
@@ -182,14 +180,11 @@ def stream_id(seq: int) -> str:
 
 
 async def read_events(
-    client: aioredis.Redis, job_id: str, after_seq: int, *, block_ms: int | None, count: int = 500
+    client: aioredis.Redis, job_id: str, after_seq: int, *, count: int = 500
 ) -> list[dict[str, Any]]:
-    """The job's events after `after_seq`, oldest first; waits up to `block_ms` for one to come."""
-    if block_ms is not None:
-        block_ms = max(1, min(block_ms, _MAX_BLOCK_MS))
-    reply = await client.xread(
-        {keys.job_event_stream(job_id): stream_id(after_seq)}, block=block_ms, count=count
-    )
+    """The job's events after `after_seq`, oldest first, as far as they go now (live readers
+    wait through `api.event_relay`)."""
+    reply = await client.xread({keys.job_event_stream(job_id): stream_id(after_seq)}, count=count)
     return [event for _, event in _entries(reply)]
 
 

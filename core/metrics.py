@@ -109,6 +109,12 @@ HELD_FOR_PACE = Gauge(
     "too slowly for its deadline (deadline pacing).",
     ["worker", "tier"],
 )
+HOLDS_FOR_PACE = Counter(
+    "inferq_tier_holds_for_pace_total",
+    "Times the tier began to take no new jobs on the worker because a job of a tier above it "
+    "fell behind its deadline's pace.",
+    ["worker", "tier"],
+)
 ENGINE_WAITING = Gauge(
     "inferq_engine_waiting_requests",
     "Requests the engine has accepted but not yet scheduled.",

@@ -17,7 +17,7 @@ from core.health import Health
 from core.heap import freeze_heap
 from core.jobs import JobStore
 from core.logs import set_context
-from core.metrics import serve_metrics
+from core.metrics import HOLDS_FOR_PACE, serve_metrics
 from core.queue.app import make_celery_app
 from core.redisconn import parse_sentinel, sync_client, version_problem
 from core.settings import Settings
@@ -149,7 +149,13 @@ def run_worker(
     # Stock Celery's transport takes no notice of the tier reserve, nor of pacing, which acts
     # through it: neither is kept, and the heartbeat publishes no room per tier.
     stock = settings.celery_mode == "stock"
-    pace = DeadlinePace() if settings.deadline_pacing and not stock else None
+    pace = (
+        DeadlinePace(on_hold=lambda tier: HOLDS_FOR_PACE.labels(node_name, tier.value).inc())
+        if settings.deadline_pacing and not stock
+        else None
+    )
+    for tier in TIERS_BY_PRIORITY:  # each series shows from the start, at 0
+        HOLDS_FOR_PACE.labels(node_name, tier.value)
 
     vllm = VllmEngine(
         settings,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.tiers import TIERS_BY_PRIORITY, Tier
@@ -51,8 +52,12 @@ class _Paced:
 class DeadlinePace:
     """Tracks the running jobs' pace against their deadlines; see the module docstring."""
 
-    def __init__(self, margin: float = MARGIN) -> None:
+    def __init__(
+        self, margin: float = MARGIN, on_hold: Callable[[Tier], None] | None = None
+    ) -> None:
+        """`on_hold` is called with each tier as it begins to be held back."""
         self.margin = margin
+        self.on_hold = on_hold
         self._lock = threading.Lock()
         self._jobs: dict[tuple[str, int], _Paced] = {}  # by (job id, attempt)
         self._time_per_token: float | None = None
@@ -115,8 +120,7 @@ class DeadlinePace:
 
     def held_back(self) -> tuple[Tier, ...]:
         """The tiers that take no new jobs now: those below the highest tier behind."""
-        behind = self.behind()
-        return TIERS_BY_PRIORITY[TIERS_BY_PRIORITY.index(behind) + 1 :] if behind else ()
+        return _below(self.behind())
 
     def behind(self, now: float | None = None) -> Tier | None:
         """The highest tier with a running job behind its deadline's pace (None: none is)."""
@@ -138,5 +142,15 @@ class DeadlinePace:
                 else []
             )
             behind = min(late, key=TIERS_BY_PRIORITY.index, default=None)
+            was_held = set(_below(self._behind))
             self._behind, self._checked_at = behind, clock
-            return behind
+        if self.on_hold is not None:
+            for tier in _below(behind):
+                if tier not in was_held:
+                    self.on_hold(tier)
+        return behind
+
+
+def _below(tier: Tier | None) -> tuple[Tier, ...]:
+    """The tiers below `tier` (none below None)."""
+    return TIERS_BY_PRIORITY[TIERS_BY_PRIORITY.index(tier) + 1 :] if tier else ()

@@ -47,15 +47,22 @@ def test_a_premium_job_too_slow_for_its_deadline_holds_the_lower_tiers_back() ->
 
 
 def test_a_standard_job_behind_holds_basic_only_and_a_job_past_its_deadline_holds_nobody() -> None:
-    pace = DeadlinePace()
+    holds: list[Tier] = []
+    pace = DeadlinePace(on_hold=holds.append)
     now = time.time()
     pace.started("standard", 1, Tier.STANDARD, max_tokens=1000, timeout_s=10)
     _steps(pace, ["standard"], now, 0.05, 5)  # 995 tokens at 0.05 s: 50 s, with 10 s left
     assert pace.behind(now=now + 1) == Tier.STANDARD
+    assert pace.behind(now=now + 2) == Tier.STANDARD
+    assert holds == [Tier.BASIC]  # counted once, as the hold began
     reserve = TierReserve(DEFAULT_TIER_POLICIES, slots=100, pace=pace)
     left = reserve.left()
     assert left[Tier.BASIC] == 0 and left[Tier.STANDARD] == 85
     assert pace.behind(now=now + 11) is None  # it will time out; waiting helps nobody
+    pace.started("premium", 1, Tier.PREMIUM, max_tokens=1000, timeout_s=30)
+    _steps(pace, ["premium"], now + 1, 0.05, 5)
+    assert pace.behind(now=now + 2) == Tier.PREMIUM  # a new hold, of standard and basic
+    assert holds == [Tier.BASIC, Tier.STANDARD, Tier.BASIC]
 
 
 def test_the_first_delta_of_a_job_is_not_a_decode_pace_and_unknown_jobs_are_ignored() -> None:

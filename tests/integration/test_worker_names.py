@@ -288,7 +288,8 @@ def _prompts_routed_to(stack: Stack, workers: list[str]) -> list[str]:
 
 
 def _delete_each_once_running(stack: Stack, key: str, job_ids: list[str]) -> set[str]:
-    """DELETE each job as soon as it shows running; the ids of those it cancelled (200 or 202).
+    """DELETE each job as soon as it shows running; the ids of those whose DELETE was accepted
+    (200 or 202: the job may still have ended before its worker saw the cancel).
 
     One poller lists the key's jobs (a request per look, not one per job), and each DELETE,
     which waits for its job to end, goes out from a thread of its own. A job that ended before
